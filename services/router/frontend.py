@@ -1,0 +1,131 @@
+"""The router's request logic without protobuf: validate, tokenise, forward to a target, detokenise.
+
+The gRPC servicer and the HTTP API both call `Frontend.stream`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.router.config import RouterConfig
+from services.router.target_client import TargetClient, TargetInfo
+from shared import metrics
+from shared.engine.sampling_params import InvalidRequest, SamplingParams
+from shared.rpc.errors import Overloaded, PeerUnavailable
+from shared.text_output import ChoiceText
+from shared.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class GenerationInput:
+    """A client's request, as parsed from protobuf or JSON."""
+    prompt: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    choices: list[ChoiceDelta]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    done: bool
+
+
+class Frontend:
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, target: TargetClient, info: TargetInfo) -> None:
+        self.cfg, self.tok, self.target, self.info = cfg, tokenizer, target, info
+        self.in_flight = 0
+
+    def prepare(self, inp: GenerationInput) -> tuple[list[int], SamplingParams]:
+        """Validates and tokenises; raises InvalidRequest with a message a person can act on."""
+        if inp.prompt and inp.messages:
+            raise InvalidRequest("give either prompt or messages, not both")
+        if not inp.prompt and not inp.messages:
+            raise InvalidRequest("the request has no prompt and no messages")
+        if inp.max_tokens is not None and inp.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {inp.max_tokens}")
+        n = 1 if inp.n is None else inp.n
+        if not 1 <= n <= self.cfg.max_n:
+            raise InvalidRequest(f"n must be between 1 and {self.cfg.max_n}, got {n}")
+        if len(inp.stop) > self.cfg.max_stop_strings:
+            raise InvalidRequest(f"at most {self.cfg.max_stop_strings} stop strings, got {len(inp.stop)}")
+        for m in inp.messages:
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequest("every message needs a string content")
+        ids = self.tok.apply_chat_template(inp.messages) if inp.messages else self.tok.encode(inp.prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty after tokenisation")
+        limit = self.info.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens but the model's context window is {limit} "
+                                 f"tokens (prompt plus output); shorten it by at least {len(ids) - limit + 1} tokens")
+        room = limit - len(ids)
+        max_tokens = room if inp.max_tokens is None else inp.max_tokens
+        if max_tokens > room:
+            raise InvalidRequest(f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceed the context "
+                                 f"window of {limit}; ask for at most {room}")
+        params = SamplingParams(temperature=1.0 if inp.temperature is None else inp.temperature,
+                                top_p=1.0 if inp.top_p is None else inp.top_p,
+                                top_k=inp.top_k or 0, seed=inp.seed, max_tokens=max_tokens,
+                                ignore_eos=inp.ignore_eos, n=n)
+        return ids, params
+
+    async def stream(self, inp: GenerationInput, timeout: float | None = None) -> AsyncIterator[StreamChunk]:
+        """Yields each step's new text per choice; the last chunk has done=True and the usage."""
+        ids, params = self.prepare(inp)
+        if self.in_flight >= self.cfg.max_concurrent_requests:
+            raise Overloaded(f"{self.in_flight} requests in flight (limit {self.cfg.max_concurrent_requests}); "
+                             "retry later")
+        self.in_flight += 1
+        metrics.IN_FLIGHT.inc()
+        metrics.PROMPT_TOKENS.inc(len(ids))
+        request_id = uuid.uuid4().hex
+        choices = [ChoiceText(self.tok, inp.stop, ids) for _ in range(params.n)]
+        t0 = last = time.perf_counter()
+        cached = 0
+        try:
+            async for step in self.target.generate(request_id, ids, params, timeout):
+                cached = max(cached, step.cached_tokens)
+                out, stopped = [], []
+                for index, tokens, reason in step.deltas:
+                    d = choices[index].push(tokens, reason)
+                    if d.stop_string_hit:
+                        stopped.append(index)
+                    if d.text or d.token_ids or d.finish_reason:
+                        out.append(ChoiceDelta(index, d.text, d.token_ids, d.finish_reason))
+                if stopped:
+                    await self.target.abort(request_id, stopped)
+                now = time.perf_counter()
+                ntok = sum(len(c.token_ids) for c in out)
+                if ntok:
+                    (metrics.TTFT if last == t0 else metrics.TPOT).observe(now - last)
+                    metrics.GENERATED_TOKENS.inc(ntok)
+                    last = now
+                done = all(c.finish_reason is not None for c in choices)
+                if out or done:
+                    yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done)
+                if done:
+                    return
+            raise PeerUnavailable(f"the target {self.target.address} ended the stream before the answer was done")
+        finally:
+            self.in_flight -= 1
+            metrics.IN_FLIGHT.dec()

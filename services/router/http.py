@@ -1,0 +1,43 @@
+"""The router's HTTP side: /health and /metrics (the OpenAI-compatible API builds on the same app)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.router.frontend import Frontend
+
+
+def build_app(frontend: Frontend) -> FastAPI:
+    app = FastAPI(title="Upesi router", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": frontend.info.model, "in_flight": frontend.in_flight}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the gRPC bootstrap owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def start_http(app: FastAPI, host: str, port: int) -> tuple[_Server, asyncio.Task]:
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()                 # raises why it could not start (port taken, ...)
+        await asyncio.sleep(0.02)
+    return server, task

@@ -1,0 +1,73 @@
+"""The router's view of a target replica: protobuf stays in here."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from shared.engine.sampling_params import SamplingParams
+from shared.rpc.errors import PeerUnavailable
+from shared.rpc.server import server_options
+from upesi.v1 import target_pb2, target_pb2_grpc
+
+
+@dataclass(slots=True)
+class TargetInfo:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    deltas: list[tuple[int, list[int], str | None]]   # (choice index, new token ids, finish reason)
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class TargetClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=server_options())
+        self.stub = target_pb2_grpc.TargetStub(self.channel)
+
+    async def wait_info(self, timeout_s: float) -> TargetInfo:
+        """Waits for the target to come up (it may still be loading its model) and reads its facts."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                r = await self.stub.Info(target_pb2.InfoRequest(), timeout=10, wait_for_ready=True)
+                return TargetInfo(r.model, r.max_model_len, r.vocab_size, list(r.eos_token_ids))
+            except grpc.aio.AioRpcError as e:
+                if time.monotonic() > deadline:
+                    raise PeerUnavailable(f"target {self.address} did not come up: {e.details()}") from None
+                await asyncio.sleep(0.5)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout: float | None) -> AsyncIterator[StepOutput]:
+        req = target_pb2.TargetGenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, n=params.n,
+            sampling=target_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                               top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
+                                               ignore_eos=params.ignore_eos,
+                                               stop_token_ids=params.stop_token_ids))
+        call = self.stub.Generate(req, timeout=timeout)
+        try:
+            async for msg in call:
+                yield StepOutput([(d.index, list(d.token_ids), d.finish_reason or None) for d in msg.deltas],
+                                 msg.prompt_tokens, msg.cached_tokens)
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str, indices: list[int]) -> None:
+        try:
+            await self.stub.Abort(target_pb2.AbortRequest(request_id=request_id, indices=indices), timeout=5)
+        except grpc.aio.AioRpcError:
+            pass                                   # the stream ends anyway; nothing to undo
+
+    async def close(self) -> None:
+        await self.channel.close()

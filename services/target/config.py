@@ -1,0 +1,34 @@
+"""The target service's settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import option
+from shared.engine.config import EngineConfig
+
+
+@dataclass(slots=True)
+class TargetConfig:
+    address: str = option("127.0.0.1:50061", "gRPC listen address")
+    metrics_port: int = option(8061, "Prometheus /metrics port (0 = off)")
+    model: str | None = option(None, "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    device: str = option("auto", "cpu, cuda, or auto")
+    dtype: str = option("auto", "float32, bfloat16, or auto (float32 on cpu, bfloat16 on cuda)")
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_gb: float = option(1.0, "memory for the KV cache in GiB")
+    num_kv_blocks: int | None = option(None, "number of KV blocks (overrides --kv-cache-gb)")
+    max_num_seqs: int = option(64, "most sequences in the running batch")
+    max_num_batched_tokens: int = option(512, "most tokens per forward step (chunked-prefill budget)")
+    max_model_len: int | None = option(None, "context window in tokens (default: the model's)")
+    num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
+    progress: bool = option(True, "show a progress bar while loading")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
+                            kv_cache_gb=self.kv_cache_gb, num_kv_blocks=self.num_kv_blocks,
+                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_model_len=self.max_model_len, num_threads=self.num_threads, progress=self.progress)

@@ -1,0 +1,62 @@
+"""Fills a service's config dataclass from command-line flags and UPESI_* environment variables.
+
+Every field becomes a flag (`max_num_seqs` -> `--max-num-seqs`) whose default is the environment variable
+`UPESI_MAX_NUM_SEQS` when set, else the dataclass default. Help text comes from field metadata["help"].
+Read at start-up only, never at import time.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with help text for its flag."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _base_type(tp: Any) -> type:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _parse_bool(v: str | bool) -> bool:
+    if isinstance(v, bool):
+        return v
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints[f.name])
+        env = f"UPESI_{f.name.upper()}"
+        default = os.environ.get(env, f.default)
+        help_text = f"{f.metadata.get('help', '')} (env {env}; default: %(default)s)"
+        flag = "--" + f.name.replace("_", "-")
+        if tp is bool:
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=_parse_bool(default),
+                                help=help_text)
+        elif tp is list or typing.get_origin(tp) is list:
+            parser.add_argument(flag, default=default, help=help_text,
+                                type=lambda s: [x for x in s.split(",") if x])
+        else:
+            parser.add_argument(flag, type=tp, default=None if default is None else tp(default), help=help_text)
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Builds the dataclass; its __post_init__ validates."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**values)

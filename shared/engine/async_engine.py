@@ -1,0 +1,121 @@
+"""Runs an LLMEngine on its own thread and serves many asyncio callers.
+
+Callers `generate()` (an async iterator of Delta) and `abort()`. Requests and aborts cross into the engine
+thread through a queue; deltas come back with loop.call_soon_threadsafe. The engine thread sleeps when idle.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Callable
+
+from shared.engine.engine import Delta, LLMEngine
+from shared.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped; maps to UNAVAILABLE."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        """Yields deltas until every choice of the request has finished. Cancelling the caller aborts it."""
+        if self.error is not None or self._stopped.is_set():
+            raise EngineDead(f"the engine has stopped: {self.error}")
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(("add", request_id, prompt, params, loop, out, done))
+        await done                                    # raises InvalidRequest from the engine thread
+        remaining = params.n
+        try:
+            while remaining:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"the engine failed: {item}") from item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                self.abort(request_id)
+
+    def abort(self, request_id: str, indices: list[int] | None = None) -> None:
+        self._inbox.put(("abort", request_id, indices))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=10)
+
+    # ---------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stopped.is_set():
+                block = not eng.has_unfinished()
+                try:
+                    while True:
+                        self._handle(self._inbox.get(block=block, timeout=None if block else 0))
+                        block = False
+                except queue.Empty:
+                    pass
+                if self._stopped.is_set():
+                    break
+                deltas = eng.step()
+                self._deliver(deltas)
+                if self.on_step:
+                    self.on_step(eng)
+        except BaseException as e:   # keep the process up; fail every open stream with UNAVAILABLE
+            log.exception("engine thread failed")
+            self.error = e
+            for loop, q in list(self._streams.values()):
+                loop.call_soon_threadsafe(q.put_nowait, e)
+
+    def _handle(self, msg: tuple) -> None:
+        if msg[0] == "add":
+            _, rid, prompt, params, loop, out, done = msg
+            try:
+                self.engine.add_request(rid, prompt, params)
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, done, e)
+                return
+            self._streams[rid] = (loop, out)
+            loop.call_soon_threadsafe(_settle, done, None)
+        elif msg[0] == "abort":
+            self._deliver(self.engine.abort(msg[1], msg[2]))
+
+    def _deliver(self, deltas: list[Delta]) -> None:
+        for d in deltas:
+            entry = self._streams.get(d.request_id)
+            if entry is None:
+                continue
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, d)
+        for rid in {d.request_id for d in deltas if d.finish_reason}:
+            if rid not in self.engine.requests:
+                self._streams.pop(rid, None)
+
+
+def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)

@@ -1,0 +1,37 @@
+"""The engine's own settings (the target service's config carries them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None              # .gguf file or Hugging Face folder; None = the default model
+    device: str = "auto"                  # auto = cuda when present, else cpu
+    dtype: str = "auto"                   # auto = float32 on cpu, bfloat16 on cuda
+    block_size: int = 16                  # tokens per KV block
+    kv_cache_gb: float = 1.0              # KV memory when num_kv_blocks is not given
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64                # sequences in the running batch
+    max_num_batched_tokens: int = 512     # tokens per forward step (chunked prefill budget)
+    max_model_len: int | None = None      # None = the model's context window
+    num_threads: int | None = None        # torch intra-op threads on cpu
+    progress: bool = True                 # progress bar while loading
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

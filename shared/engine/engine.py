@@ -1,0 +1,157 @@
+"""The in-process engine: requests in, token deltas out, one continuous-batching step at a time.
+
+Single-threaded by design: the target service drives it from one thread (shared.engine.async_engine),
+tests and benchmarks call it directly (`generate`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampler import sample
+from shared.engine.sampling_params import InvalidRequest, SamplingParams
+from shared.engine.scheduler import Scheduler
+from shared.engine.sequence import Sequence
+from shared.kv.block_manager import BlockManager
+from shared.model.loader import load_config, resolve_model_path
+from shared.model.registry import build_model
+
+
+@dataclass(slots=True)
+class Delta:
+    """New tokens of one choice after one step."""
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None            # "stop", "length", "abort" or None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model_path = resolve_model_path(cfg.model)
+        device, dtype = cfg.torch_device(), cfg.torch_dtype()
+        window = load_config(self.model_path).max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or window, window)
+        model, self.model_cfg = build_model(self.model_path, self.max_model_len, dtype, device, cfg.progress)
+        per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg.block_size, dtype)
+        num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
+        self.eos_token_ids = set(self.model_cfg.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.last_step_s = 0.0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already running")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(prompt)} tokens but the context window is "
+                                 f"{self.max_model_len}; shorten it by at least {len(prompt) - self.max_model_len + 1}")
+        need = self.block_manager.blocks_for(len(prompt) + 1)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequest(f"the prompt needs {need} KV blocks but the cache has only "
+                                 f"{self.block_manager.num_blocks} in all (block size {self.cfg.block_size})")
+        seqs = [Sequence(request_id, i, prompt, params) for i in range(params.n)]
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str, indices: list[int] | None = None) -> list[Delta]:
+        """Stops some or all choices of a request; returns their final deltas."""
+        out = []
+        for seq in self.requests.get(request_id, []):
+            if not seq.is_finished and (not indices or seq.index in indices):
+                self.scheduler.finish(seq, "abort")
+                out.append(self._delta(seq, []))
+        self._forget_finished(request_id)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> list[Delta]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        logits, which = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+        sampled = [batch.seqs[b] for b in which]
+        tokens = sample(logits, sampled) if sampled else []
+        deltas = []
+        for seq, tok in zip(sampled, tokens):
+            seq.token_ids.append(tok)
+            reason = self._finish_reason(seq, tok)
+            if reason:
+                self.scheduler.finish(seq, reason)
+            deltas.append(self._delta(seq, [tok]))
+        for rid in {d.request_id for d in deltas if d.finish_reason}:
+            self._forget_finished(rid)
+        self.last_step_s = time.perf_counter() - t0
+        return deltas
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _delta(self, seq: Sequence, tokens: list[int]) -> Delta:
+        return Delta(seq.request_id, seq.index, tokens, seq.finish_reason, seq.num_prompt_tokens,
+                     seq.num_cached_tokens)
+
+    def _forget_finished(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[request_id]
+
+    # ---------------------------------------------------------------- offline API
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [T, V] (fp32) of every position of one sequence, through the paged cache."""
+        from shared.engine.scheduler import ScheduledBatch
+
+        seq = Sequence("score", 0, token_ids, SamplingParams(temperature=0, max_tokens=1))
+        if not self.block_manager.can_allocate(seq):
+            raise InvalidRequest(f"{len(token_ids)} tokens do not fit in the free KV blocks")
+        self.block_manager.allocate(seq)
+        try:
+            input_ids, positions, meta, _, _ = self.runner.prepare(ScheduledBatch([seq], [len(seq)], 0))
+            hidden = self.runner.model(input_ids, positions, meta, self.runner.kv_caches)    # [T, D]
+            return self.runner.model.compute_logits(hidden)                                  # [T, V]
+        finally:
+            self.block_manager.free(seq)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[list[list[int]]]:
+        """Runs prompts to completion together; returns token ids [prompt][choice]."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        out = {rid: [[] for _ in range(p.n)] for rid, p in zip(ids, plist)}
+        while self.has_unfinished():
+            for d in self.step():
+                if d.request_id in out:
+                    out[d.request_id][d.index].extend(d.token_ids)
+        return [out[rid] for rid in ids]

@@ -1,0 +1,71 @@
+"""Owns the model and its paged KV cache; turns a scheduled batch into one forward pass.
+
+Shapes: T = new tokens in the step, B = sequences, MB = max blocks per sequence, V = vocab.
+"""
+from __future__ import annotations
+
+import torch
+
+from shared.engine.scheduler import ScheduledBatch
+from shared.model.config import ModelConfig
+from shared.ops.paged_attention import AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+    def prepare(self, batch: ScheduledBatch
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """Builds input ids, positions and attention metadata, plus the rows whose logits are needed and the
+        batch index of the sequence each such row belongs to."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[int] = []
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            starts.append(starts[-1] + n)
+            seq_lens.append(c + n)
+            if c + n == len(seq):                    # caught up: the last row predicts the next token
+                sample_rows.append(starts[-1] - 1)
+                sample_seqs.append(b)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int64, device=dev),        # [B, MB]
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),          # [B]
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=dev),     # [B + 1]
+            num_decodes=batch.num_decodes,
+            query_lens=list(batch.num_tokens),
+            seq_lens_host=seq_lens,
+            max_query_len=max(batch.num_tokens),
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                meta, sample_rows, sample_seqs)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """One forward pass -> logits [N, V] for the sequences that caught up, and their batch positions."""
+        input_ids, positions, meta, rows, which = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)           # [T, D]
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)   # [N, V]
+        return logits, which

@@ -1,0 +1,38 @@
+"""What a request asks of the sampler, validated once at the engine's door."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """Bad input from a client; maps to INVALID_ARGUMENT at the gRPC edge."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # (0, 1]
+    top_k: int = 0                    # 0 = no limit
+    seed: int | None = None           # choice i samples with a generator seeded seed + i
+    max_tokens: int = 256
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:      # also catches NaN
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {self.n}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequest(f"seed must be in [0, 2^63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,94 @@
+"""Continuous batching with chunked prefill.
+
+Each step: every running sequence that is decoding gets its one token, then running sequences still
+prefilling get a chunk, then waiting sequences are admitted while the token budget and free blocks
+allow. Sequences join and leave between steps. When a decoding sequence needs a block and none is free,
+the newest running sequence is preempted (its blocks freed, recomputed later from its tokens).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.engine.sequence import Sequence, Status
+from shared.kv.block_manager import BlockManager
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """Sequences to run this step and how many new tokens each computes; decodes (1 token) first."""
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    num_decodes: int
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        chunks: list[tuple[Sequence, int]] = []
+        # 1. running sequences, oldest first; preempt from the newest end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.blocks.can_append(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append(seq, seq.num_computed_tokens + n)
+                (decodes.append(seq) if n == 1 and seq.num_uncomputed == 1 else chunks.append((seq, n)))
+                budget -= n
+                i += 1
+                continue
+            break
+        # 2. admit waiting sequences while there is room.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            (decodes.append(seq) if seq.num_uncomputed == 1 else chunks.append((seq, n)))
+            budget -= n
+        return ScheduledBatch(decodes + [s for s, _ in chunks], [1] * len(decodes) + [n for _, n in chunks],
+                              len(decodes))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence wherever it is and returns its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,62 @@
+"""One generated sequence (a request has n of them) and its state in the scheduler."""
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+
+import torch
+
+from shared.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """Tokens of one choice. KV of the first `num_computed_tokens` tokens is in the cache."""
+
+    __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+                 "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens")
+
+    def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.params = params
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            seed = params.seed + index if params.seed is not None else random.getrandbits(63)
+            self.generator.manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

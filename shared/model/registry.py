@@ -1,0 +1,37 @@
+"""Architectures by name: one entry per model family, no if-ladder."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import iter_weights, load_config
+from shared.model.rope import rope_tables
+
+ARCHITECTURES: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "smollm": LlamaForCausalLM,
+}
+
+
+def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                progress: bool = True) -> tuple[nn.Module, ModelConfig]:
+    """Builds the registered architecture for the checkpoint at `path` and loads its weights."""
+    cfg = load_config(path)
+    factory = ARCHITECTURES.get(cfg.architecture)
+    if factory is None:
+        raise ValueError(f"architecture {cfg.architecture!r} is not supported; known: {sorted(ARCHITECTURES)}")
+    with torch.device("meta"):
+        model = factory(cfg, max_len)
+    model = model.to_empty(device="cpu")          # no random init: every weight comes from the checkpoint
+    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(iter_weights(path, cfg, progress))
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()   # tables stay fp32
+    return model, cfg

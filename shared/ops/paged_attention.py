@@ -1,0 +1,93 @@
+"""Attention over a paged KV cache: the torch reference (CPU) that every kernel is checked against.
+
+Shapes: T = new tokens in the step (all sequences, flattened), B = sequences, H = query heads,
+KVH = key/value heads, Dh = head dim, NB = physical blocks, BS = block size, MB = max blocks per sequence.
+
+The cache of one layer is two tensors [NB, BS, KVH, Dh]. A sequence's block table maps its logical block
+i to a physical block id; token position p of the sequence lives in slot block_table[p // BS] * BS + p % BS.
+
+Token order in a step: the sequences with exactly one new token (decodes) come first, one row each, then
+the sequences with several new tokens (prefill chunks, later speculative verification), contiguous.
+New token j of sequence b sits at position seq_lens[b] - query_lens[b] + j and attends causally to every
+cached position up to and including its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor        # [T] int64: cache slot each new token's K/V is written to
+    block_tables: torch.Tensor        # [B, MB] int64 (padded with 0)
+    seq_lens: torch.Tensor            # [B] int64: tokens in the cache after this step
+    query_start_loc: torch.Tensor     # [B + 1] int64: row of each sequence's first new token
+    num_decodes: int                  # the first num_decodes sequences have one new token each
+    query_lens: list[int]             # host copies, used to split the work on CPU
+    seq_lens_host: list[int]
+    max_query_len: int
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Stores the new tokens' k, v [T, KVH, Dh] into their slots."""
+    nb, bs, kvh, dh = k_cache.shape
+    k_cache.view(nb * bs, kvh, dh).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, kvh, dh).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[NB, BS, KVH, Dh] gathered along block_tables [B, MB] -> [B, KVH, L, Dh] for the first L positions."""
+    b = block_tables.shape[0]
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    x = cache[block_tables[:, :nblocks]]                     # [B, nblocks, BS, KVH, Dh]
+    x = x.reshape(b, nblocks * bs, *cache.shape[2:])[:, :length]
+    return x.transpose(1, 2)                                 # [B, KVH, L, Dh]
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, H, Dh] -> [B, H, Dh]."""
+    k = _gather(k_cache, block_tables, max_len)              # [B, KVH, L, Dh]
+    v = _gather(v_cache, block_tables, max_len)
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [B, L]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=valid[:, None, None, :],
+                                         scale=scale, enable_gqa=True)            # [B, H, 1, Dh]
+    return out.squeeze(2)
+
+
+def _extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+            seq_len: int, scale: float) -> torch.Tensor:
+    """Several new tokens of one sequence: q [Q, H, Dh] -> [Q, H, Dh], causal among themselves."""
+    nq = q.shape[0]
+    k = _gather(k_cache, block_table[None], seq_len)         # [1, KVH, L, Dh]
+    v = _gather(v_cache, block_table[None], seq_len)
+    qh = q.transpose(0, 1)[None].to(k.dtype)                 # [1, H, Q, Dh]
+    if nq == seq_len:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]       # [Q, 1]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos             # [Q, L]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)                            # [Q, H, Dh]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, Dh] against the paged cache (already holding this step's K/V) -> [T, H, Dh]."""
+    out = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
+    nd = meta.num_decodes
+    if nd:
+        max_len = max(meta.seq_lens_host[:nd])
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], max_len, scale)
+    start = nd
+    for b in range(nd, len(meta.query_lens)):
+        n = meta.query_lens[b]
+        out[start:start + n] = _extend(q[start:start + n], k_cache, v_cache, meta.block_tables[b],
+                                       meta.seq_lens_host[b], scale)
+        start += n
+    return out.to(q.dtype)

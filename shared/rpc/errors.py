@@ -1,0 +1,82 @@
+"""Every error a servicer can meet, mapped to a gRPC status in one place. Never a stack trace to a client."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from shared.engine.async_engine import EngineDead
+from shared.engine.sampling_params import InvalidRequest
+
+log = logging.getLogger("upesi.rpc")
+
+
+class Overloaded(RuntimeError):
+    """Too many requests in flight; maps to RESOURCE_EXHAUSTED."""
+
+
+class PeerUnavailable(RuntimeError):
+    """A service this one depends on cannot be reached; maps to UNAVAILABLE."""
+
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (EngineDead, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and client-facing message for an exception raised while serving."""
+    if isinstance(exc, grpc.aio.AioRpcError):           # a downstream service answered with an error
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.CANCELLED):
+            return code, exc.details() or code.name
+        return grpc.StatusCode.UNAVAILABLE, f"a downstream service failed: {exc.details()}"
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, "internal error; the server log has the details"
+
+
+def _log(exc: BaseException, name: str) -> None:
+    code, _ = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("unhandled error in %s", name, exc_info=exc)
+    else:
+        log.info("%s -> %s: %s", name, code.name, exc)
+
+
+def map_errors(fn: Callable) -> Callable:
+    """Decorates an async servicer method (unary or server-streaming) so exceptions become statuses."""
+    name = fn.__qualname__
+    if inspect.isasyncgenfunction(fn):
+        @functools.wraps(fn)
+        async def stream(self, request, context):
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as e:
+                _log(e, name)
+                await context.abort(*status_for(e))
+        return stream
+
+    @functools.wraps(fn)
+    async def unary(self, request, context):
+        try:
+            return await fn(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            _log(e, name)
+            await context.abort(*status_for(e))
+    return unary

@@ -1,0 +1,120 @@
+"""Shared fixtures: the default model, the in-process engine, transformers' reference and a running stack."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT_PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain how a hash table works.",
+    "List five tips for staying healthy.",
+    "What is photosynthesis?",
+]
+GREEDY_TOKENS = 48
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from shared.model.loader import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
+                                             dtype=torch.float32)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(hf_tokenizer) -> list[list[int]]:
+    out = []
+    for p in CHAT_PROMPTS:
+        x = hf_tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True)
+        out.append(list(x["input_ids"] if hasattr(x, "keys") else x))
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, chat_prompt_ids) -> list[list[int]]:
+    """transformers' greedy continuations (48 new tokens, up to and including EOS) of the 4 chat prompts."""
+    import torch
+    eos = hf_model.generation_config.eos_token_id
+    out = []
+    for ids in chat_prompt_ids:
+        with torch.inference_mode():
+            g = hf_model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                  temperature=None, top_p=None, top_k=None, pad_token_id=eos)
+        out.append(g[0, len(ids):].tolist())
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    return LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.25))
+
+
+class Stack:
+    """`upesi serve` on free ports, as a user runs it."""
+
+    def __init__(self, tmp: Path, extra: list[str] | None = None) -> None:
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.grpc_port}"
+        self.log = tmp / "serve.log"
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--address", self.address,
+               "--http-port", str(self.http_port), "--target-address", f"127.0.0.1:{free_port()}",
+               "--target-metrics-port", str(free_port()), "--kv-cache-gb", "0.5", *(extra or [])]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"upesi serve exited early:\n{self.log.read_text()[-3000:]}")
+            if "upesi: serving on" in self.log.read_text():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(self.log.read_text()[-3000:])
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("stack"))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        code = s.stop()
+        assert code == 0, f"upesi serve exited with {code}:\n{s.log.read_text()[-3000:]}"

@@ -1,0 +1,117 @@
+"""A real `redis-server` for tests: a free port on 127.0.0.1, its own temp dir, no persistence, restartable in place.
+
+Usage (or the `redis_server` fixture of tests/integration/conftest.py):
+    server = RedisServer(tmp_path).start()
+    server.url          # "redis://127.0.0.1:<port>/0"
+    server.stop()       # SIGTERM; the data is gone (--save "" --appendonly no)
+    server.restart()    # a fresh, empty server on the same port
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+READY_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, workdir: Path, port: int | None = None, binary: str = "redis-server") -> None:
+        path = shutil.which(binary)
+        if path is None:
+            raise RuntimeError(f"{binary} not found on PATH; install Redis (e.g. apt-get install redis-server)")
+        self.binary, self.workdir = path, Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._picked_port = port is None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> RedisServer:
+        """Start the server and wait for PING; with a picked port, retry on a new one if another process took it."""
+        attempts = 3 if self._picked_port else 1
+        for attempt in range(attempts):
+            if self.port is None:
+                self.port = free_port()
+            try:
+                self._spawn()
+                return self
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                self.port = None
+        return self
+
+    def _spawn(self) -> None:
+        log = self.workdir / "redis.log"
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(log),
+        ]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:  # exited: most often the port is taken
+                self._proc = None
+                raise RuntimeError(f"redis-server on port {self.port} exited; see {log}")
+            if self._ping():
+                return
+            time.sleep(0.01)
+        self.stop()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING in {READY_TIMEOUT_S}s; see {log}")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 5 s) and wait until it has exited."""
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def restart(self) -> RedisServer:
+        """Stop, then start an empty server on the same port."""
+        self.stop()
+        self._spawn()
+        return self

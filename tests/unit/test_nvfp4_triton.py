@@ -1,0 +1,66 @@
+"""The Triton NVFP4 GEMM against its torch reference, under TRITON_INTERPRET=1 on CPU (small shapes)."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it when the kernel is defined
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import shared.quant.nvfp4_triton as nvfp4_triton  # noqa: E402
+from shared.quant.nvfp4 import NVFP4ShapeError, NVFP4Weight, quantise_weight  # noqa: E402
+from shared.quant.nvfp4_linear import nvfp4_linear  # noqa: E402
+
+if not isinstance(nvfp4_triton._nvfp4_gemm_kernel, InterpretedFunction):  # imported earlier without the variable
+    nvfp4_triton = importlib.reload(nvfp4_triton)
+NVFP4DeviceError, nvfp4_matmul = nvfp4_triton.NVFP4DeviceError, nvfp4_triton.nvfp4_matmul
+
+ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (5, 48, 96), (33, 70, 160)])  # tails in M, N and K
+def test_matches_torch_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    w = quantise_weight(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    y = nvfp4_matmul(x, w, block_m=16, block_n=32, block_k=32)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = x.float() @ w.dequantise(torch.float32).T                        # [M, N] in fp32
+    # the kernel and the reference both round one fp32 result to dtype: at most one output ulp apart
+    torch.testing.assert_close(y.float(), ref, rtol=2 * ULP[dtype] + 1e-6, atol=1e-5)
+    torch.testing.assert_close(y.float(), nvfp4_linear(x, w).float(), rtol=2 * ULP[dtype] + 1e-6, atol=1e-5)
+
+
+def test_bit_exact_on_exact_operands() -> None:
+    """Integer activations, a power-of-two global scale, and weights whose sums stay exact in fp32: kernel and
+    reference must then agree bit for bit, whatever their order of accumulation.
+    Row r of the first weight uses fp8 scale bit pattern r for all its blocks (every finite non-negative e4m3
+    value, zero and subnormals included); the second varies power-of-two scales from block to block."""
+    g = torch.Generator().manual_seed(0)
+    k = 128
+    one_scale = torch.arange(0, 0x7F, dtype=torch.uint8)[:, None].expand(-1, k // 16).contiguous()  # [127, B]
+    per_block = (torch.randint(-3, 4, (32, k // 16), generator=g).float().exp2()).to(torch.float8_e4m3fn)
+    for scale, gs in ((one_scale.view(torch.float8_e4m3fn), 0.25), (per_block, 1.0)):
+        n = scale.shape[0]
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)  # every code
+        w = NVFP4Weight(packed, scale, torch.tensor([gs]))
+        x = torch.randint(-3, 4, (7, k), generator=g).float()
+        y = nvfp4_matmul(x, w, block_k=64)
+        assert torch.equal(y, x @ w.dequantise().T)
+        assert torch.equal(nvfp4_matmul(x.bfloat16(), w), nvfp4_linear(x.bfloat16(), w))
+
+
+def test_leading_dims_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = quantise_weight(torch.randn(16, 32))
+    x = torch.randn(2, 3, 32)
+    torch.testing.assert_close(nvfp4_matmul(x, w), nvfp4_linear(x, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NVFP4ShapeError):
+        nvfp4_matmul(torch.randn(2, 48), w)
+    with pytest.raises(NVFP4ShapeError):
+        nvfp4_matmul(x, w, block_k=48)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(NVFP4DeviceError):
+        nvfp4_matmul(x, w)
