@@ -1,0 +1,42 @@
+"""Flags and UPESI_* variables fill the service configs; bad values are clear errors."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.router.config import RouterConfig
+from services.target.config import TargetConfig
+from shared.config import add_config_arguments, config_from_args
+
+
+def parse(cls, argv):
+    p = argparse.ArgumentParser()
+    add_config_arguments(p, cls)
+    return config_from_args(cls, p.parse_args(argv))
+
+
+def test_defaults_env_and_flags(monkeypatch):
+    assert parse(TargetConfig, []).block_size == 16
+    monkeypatch.setenv("UPESI_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("UPESI_PROGRESS", "false")
+    cfg = parse(TargetConfig, ["--kv-cache-gb", "0.5"])
+    assert (cfg.max_num_seqs, cfg.kv_cache_gb, cfg.progress) == (7, 0.5, False)
+    assert parse(TargetConfig, ["--max-num-seqs", "3"]).max_num_seqs == 3      # flag beats env
+    assert parse(RouterConfig, ["--target", "h:1"]).target == "h:1"
+
+
+def test_invalid_values_raise():
+    with pytest.raises(ValueError):
+        parse(RouterConfig, ["--max-n", "0"])
+    with pytest.raises(ValueError):
+        parse(TargetConfig, ["--kv-cache-gb", "0"]).engine_config()
+
+
+def test_cli_help_lists_every_command(capsys):
+    from services.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("serve", "generate", "router", "target", "draft", "experts"):
+        assert cmd in out

@@ -1,0 +1,55 @@
+"""Streaming detokenisation never emits broken UTF-8; stop strings are found across token boundaries."""
+from __future__ import annotations
+
+import pytest
+
+from shared.detokenizer import IncrementalDetokenizer, StopChecker
+from shared.text_output import ChoiceText
+
+
+@pytest.fixture(scope="module")
+def tok(model_path):
+    from shared.tokenizer import Tokenizer
+    return Tokenizer(model_path)
+
+
+@pytest.mark.parametrize("text", ["Hello, world! Café au lait 🤗🚀 — naïve 日本語のテキスト.",
+                                  "  leading spaces and\nnew lines\t\ttabs", "emoji 👩‍👩‍👧‍👦 family"])
+def test_incremental_equals_whole_and_never_broken(tok, text):
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.push([i]) for i in ids] + [d.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids) == text
+
+
+def test_stop_checker_spans_pushes():
+    s = StopChecker(["STOP", "\n\n"])
+    out = []
+    for piece in ["abc S", "TO", "P tail"]:
+        text, hit = s.push(piece)
+        out.append(text)
+        if hit:
+            break
+    assert "".join(out) == "abc " and hit
+
+
+def test_stop_checker_holds_back_only_possible_prefixes_at_end():
+    s = StopChecker(["xyz"])
+    assert s.push("hello") == ("hel", False)
+    assert s.push(" world") == ("lo wor", False)
+    assert s.flush() == "ld"
+
+
+def test_choice_text_reports_stop_and_ignores_later_tokens(tok):
+    ids = tok.encode("one, two, three, four")
+    c = ChoiceText(tok, ["three"], prompt_ids=[])
+    texts = []
+    for i in ids:
+        d = c.push([i], None)
+        texts.append(d.text)
+        if d.finish_reason:
+            assert d.stop_string_hit and d.finish_reason == "stop"
+            break
+    assert "".join(texts) == "one, two, "
+    assert c.push([5], None).text == ""
