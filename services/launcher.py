@@ -18,13 +18,23 @@ class ServeConfig:
     address: str = option("127.0.0.1:50051", "router gRPC address (the public API)")
     http_host: str = option("127.0.0.1", "router HTTP host")
     http_port: int = option(8000, "router HTTP port (/health, /metrics)")
-    target_address: str = option("127.0.0.1:50061", "target gRPC address")
-    target_metrics_port: int = option(8061, "target /metrics port (0 = off)")
+    target_address: str = option("127.0.0.1:50061", "first target's gRPC address (replica i listens on port + i)")
+    target_metrics_port: int = option(8061, "first target's /metrics port, + i for replica i (0 = off)")
+    target_replicas: int = option(1, "number of target replicas")
+    registry: str | None = option(None, "prefix-block registry shared by router and targets: redis://host:port/db")
     kv_cache_gb: float = option(1.0, "target KV cache size in GiB")
     max_num_seqs: int = option(64, "target: most sequences in the running batch")
     num_threads: int | None = option(None, "target: torch CPU threads")
     device: str = option("auto", "target device: cpu, cuda or auto")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
+
+    def __post_init__(self) -> None:
+        if self.target_replicas < 1:
+            raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
+
+    def target_addresses(self) -> list[str]:
+        host, port = self.target_address.rsplit(":", 1)
+        return [f"{host}:{int(port) + i}" for i in range(self.target_replicas)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,11 +92,16 @@ def main(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        procs.append(_child(["target", "--address", cfg.target_address, "--metrics-port", str(cfg.target_metrics_port),
-                             "--kv-cache-gb", str(cfg.kv_cache_gb), "--max-num-seqs", str(cfg.max_num_seqs),
-                             "--device", cfg.device, *model, *threads]))
+        registry = ["--registry", cfg.registry] if cfg.registry else []
+        for i, address in enumerate(cfg.target_addresses()):
+            metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0
+            procs.append(_child(["target", "--address", address, "--replica-id", address,
+                                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
+                                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
+                                 *model, *threads, *registry]))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
-                             "--http-port", str(cfg.http_port), "--target", cfg.target_address, *model]))
+                             "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
+                             *model, *registry]))
         _wait_healthy(cfg.address, procs, cfg.ready_timeout_s)
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "
               "(Ctrl-C to stop)", flush=True)

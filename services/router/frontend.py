@@ -4,6 +4,7 @@ The gRPC servicer and the HTTP API both call `Frontend.stream`.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,8 @@ from services.router.config import RouterConfig
 from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
+from shared.kv.hashing import cache_extra, hash_chain
+from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad, choose_replica
 from shared.rpc.errors import Overloaded, PeerUnavailable
 from shared.text_output import ChoiceText
 from shared.tokenizer import Tokenizer
@@ -31,6 +34,7 @@ class GenerationInput:
     n: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)
@@ -51,9 +55,23 @@ class StreamChunk:
 
 
 class Frontend:
-    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, target: TargetClient, info: TargetInfo) -> None:
-        self.cfg, self.tok, self.target, self.info = cfg, tokenizer, target, info
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, targets: list[TargetClient], info: TargetInfo,
+                 registry: PrefixRegistry | None = None) -> None:
+        self.cfg, self.tok, self.targets, self.info, self.registry = cfg, tokenizer, targets, info, registry
         self.in_flight = 0
+        self.load = {t.address: 0 for t in targets}          # requests this router has open on each replica
+
+    async def choose_target(self, ids: list[int], salt: str) -> TargetClient:
+        """The replica with the longest cached prefix of this prompt, weighed against its load."""
+        if len(self.targets) == 1:
+            return self.targets[0]
+        chain = hash_chain(ids, self.info.block_size, cache_extra(self.info.model, salt))
+        loads = {a: ReplicaLoad(running=n) for a, n in self.load.items()}
+        replicas = [ReplicaId(t.address) for t in self.targets]
+        # Redis calls block: keep them off the event loop.
+        chosen = await asyncio.to_thread(choose_replica, chain, replicas, loads, self.info.block_size,
+                                         registry=self.registry)
+        return next(t for t in self.targets if t.address == chosen)
 
     def prepare(self, inp: GenerationInput) -> tuple[list[int], SamplingParams]:
         """Validates and tokenises; raises InvalidRequest with a message a person can act on."""
@@ -66,6 +84,8 @@ class Frontend:
         n = 1 if inp.n is None else inp.n
         if not 1 <= n <= self.cfg.max_n:
             raise InvalidRequest(f"n must be between 1 and {self.cfg.max_n}, got {n}")
+        if len(inp.cache_salt) > 256:
+            raise InvalidRequest("cache_salt is longer than 256 characters")
         if len(inp.stop) > self.cfg.max_stop_strings:
             raise InvalidRequest(f"at most {self.cfg.max_stop_strings} stop strings, got {len(inp.stop)}")
         for m in inp.messages:
@@ -86,7 +106,7 @@ class Frontend:
         params = SamplingParams(temperature=1.0 if inp.temperature is None else inp.temperature,
                                 top_p=1.0 if inp.top_p is None else inp.top_p,
                                 top_k=inp.top_k or 0, seed=inp.seed, max_tokens=max_tokens,
-                                ignore_eos=inp.ignore_eos, n=n)
+                                ignore_eos=inp.ignore_eos, n=n, cache_salt=inp.cache_salt)
         return ids, params
 
     async def stream(self, inp: GenerationInput, timeout: float | None = None) -> AsyncIterator[StreamChunk]:
@@ -95,7 +115,9 @@ class Frontend:
         if self.in_flight >= self.cfg.max_concurrent_requests:
             raise Overloaded(f"{self.in_flight} requests in flight (limit {self.cfg.max_concurrent_requests}); "
                              "retry later")
+        target = await self.choose_target(ids, inp.cache_salt)
         self.in_flight += 1
+        self.load[target.address] += 1
         metrics.IN_FLIGHT.inc()
         metrics.PROMPT_TOKENS.inc(len(ids))
         request_id = uuid.uuid4().hex
@@ -103,7 +125,7 @@ class Frontend:
         t0 = last = time.perf_counter()
         cached = 0
         try:
-            async for step in self.target.generate(request_id, ids, params, timeout):
+            async for step in target.generate(request_id, ids, params, timeout):
                 cached = max(cached, step.cached_tokens)
                 out, stopped = [], []
                 for index, tokens, reason in step.deltas:
@@ -113,7 +135,7 @@ class Frontend:
                     if d.text or d.token_ids or d.finish_reason:
                         out.append(ChoiceDelta(index, d.text, d.token_ids, d.finish_reason))
                 if stopped:
-                    await self.target.abort(request_id, stopped)
+                    await target.abort(request_id, stopped)
                 now = time.perf_counter()
                 ntok = sum(len(c.token_ids) for c in out)
                 if ntok:
@@ -125,7 +147,8 @@ class Frontend:
                     yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done)
                 if done:
                     return
-            raise PeerUnavailable(f"the target {self.target.address} ended the stream before the answer was done")
+            raise PeerUnavailable(f"the target {target.address} ended the stream before the answer was done")
         finally:
             self.in_flight -= 1
+            self.load[target.address] -= 1
             metrics.IN_FLIGHT.dec()

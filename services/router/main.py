@@ -22,13 +22,19 @@ async def serve(cfg: RouterConfig) -> None:
     from services.router.servicer import GenerationServicer
     from services.router.target_client import TargetClient
     from shared.model.loader import resolve_model_path
+    from shared.registry.factory import open_registry
     from shared.tokenizer import Tokenizer
     from upesi.v1 import generation_pb2_grpc
 
-    target = TargetClient(cfg.target)
+    targets = [TargetClient(a.strip()) for a in cfg.target.split(",") if a.strip()]
+    if not targets:
+        raise ValueError("--target names no address")
     tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer, resolve_model_path(cfg.model)))
-    info = await target.wait_info(cfg.target_wait_s)
-    frontend = Frontend(cfg, await tokenizer_task, target, info)
+    infos = await asyncio.gather(*(t.wait_info(cfg.target_wait_s) for t in targets))
+    if len({i.model for i in infos}) > 1:
+        raise ValueError(f"the target replicas serve different models: {sorted({i.model for i in infos})}")
+    registry = open_registry(cfg.registry) if cfg.registry else None
+    frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry)
     http = None
 
     async def on_start() -> None:
@@ -40,7 +46,10 @@ async def serve(cfg: RouterConfig) -> None:
         if http:
             http[0].should_exit = True
             await http[1]
-        await target.close()
+        for t in targets:
+            await t.close()
+        if registry is not None:
+            registry.close()
 
     service = Service("upesi.v1.Generation", GenerationServicer(frontend),
                       generation_pb2_grpc.add_GenerationServicer_to_server)

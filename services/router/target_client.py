@@ -20,6 +20,7 @@ class TargetInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    block_size: int
 
 
 @dataclass(slots=True)
@@ -41,7 +42,7 @@ class TargetClient:
         while True:
             try:
                 r = await self.stub.Info(target_pb2.InfoRequest(), timeout=10, wait_for_ready=True)
-                return TargetInfo(r.model, r.max_model_len, r.vocab_size, list(r.eos_token_ids))
+                return TargetInfo(r.model, r.max_model_len, r.vocab_size, list(r.eos_token_ids), r.block_size)
             except grpc.aio.AioRpcError as e:
                 if time.monotonic() > deadline:
                     raise PeerUnavailable(f"target {self.address} did not come up: {e.details()}") from None
@@ -54,7 +55,8 @@ class TargetClient:
             sampling=target_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p,
                                                top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
                                                ignore_eos=params.ignore_eos,
-                                               stop_token_ids=params.stop_token_ids))
+                                               stop_token_ids=params.stop_token_ids,
+                                               cache_salt=params.cache_salt))
         call = self.stub.Generate(req, timeout=timeout)
         try:
             async for msg in call:

@@ -22,6 +22,9 @@ class TargetConfig:
     max_model_len: int | None = option(None, "context window in tokens (default: the model's)")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     progress: bool = option(True, "show a progress bar while loading")
+    enable_prefix_caching: bool = option(True, "reuse computed KV blocks across requests with a common prefix")
+    registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (default: none)")
+    replica_id: str | None = option(None, "this replica's name in the registry (default: its address)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port < 65536:
@@ -31,4 +34,5 @@ class TargetConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
                             kv_cache_gb=self.kv_cache_gb, num_kv_blocks=self.num_kv_blocks,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            max_model_len=self.max_model_len, num_threads=self.num_threads, progress=self.progress)
+                            max_model_len=self.max_model_len, num_threads=self.num_threads, progress=self.progress,
+                            enable_prefix_caching=self.enable_prefix_caching)

@@ -19,37 +19,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, TargetConfig)
 
 
-def _observe(engine: LLMEngine, seen: list[int]) -> None:
-    """Called on the engine thread after every step."""
-    metrics.KV_BLOCKS_USED.set(engine.block_manager.num_used_blocks)
-    metrics.RUNNING.set(len(engine.scheduler.running))
-    metrics.WAITING.set(len(engine.scheduler.waiting))
-    metrics.STEP_SECONDS.observe(engine.last_step_s)
-    new = engine.scheduler.num_preemptions - seen[0]
-    if new:
-        metrics.PREEMPTIONS.inc(new)
-        seen[0] += new
+class StepObserver:
+    """Runs on the engine thread after every step: metrics, and block events to the registry (batched there)."""
+
+    def __init__(self, publisher=None) -> None:
+        self.publisher = publisher
+        self.seen = {"preempt": 0, "query": 0, "hit": 0}
+
+    def _inc(self, counter, key: str, value: int) -> None:
+        if value > self.seen[key]:
+            counter.inc(value - self.seen[key])
+            self.seen[key] = value
+
+    def __call__(self, engine: LLMEngine) -> None:
+        bm, sch = engine.block_manager, engine.scheduler
+        metrics.KV_BLOCKS_USED.set(bm.num_used_blocks)
+        metrics.RUNNING.set(len(sch.running))
+        metrics.WAITING.set(len(sch.waiting))
+        metrics.STEP_SECONDS.observe(engine.last_step_s)
+        self._inc(metrics.PREEMPTIONS, "preempt", sch.num_preemptions)
+        self._inc(metrics.PREFIX_QUERIES, "query", bm.query_tokens)
+        self._inc(metrics.PREFIX_HITS, "hit", bm.hit_tokens)
+        stored, removed = bm.drain_events()
+        if self.publisher is not None:
+            if stored:
+                self.publisher.stored(stored)
+            if removed:
+                self.publisher.removed(removed)
+            self.publisher.set_load(len(sch.waiting), len(sch.running))
+
+
+def _publisher(cfg: TargetConfig):
+    if not cfg.registry:
+        return None
+    from shared.registry.factory import open_registry
+    from shared.registry.publisher import BlockPublisher
+    publisher = BlockPublisher(open_registry(cfg.registry), cfg.replica_id or cfg.address)
+    publisher.start()
+    return publisher
 
 
 async def serve(cfg: TargetConfig) -> None:
     from prometheus_client import start_http_server
 
+    from services.target.servicer import TargetServicer
     from upesi.v1 import target_pb2_grpc
 
     engine = LLMEngine(cfg.engine_config())
     metrics.KV_BLOCKS_TOTAL.set(engine.block_manager.num_blocks)
-    seen = [0]
-    async_engine = AsyncEngine(engine, on_step=lambda e: _observe(e, seen))
+    publisher = _publisher(cfg)
+    async_engine = AsyncEngine(engine, on_step=StepObserver(publisher))
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr="127.0.0.1" if cfg.address.startswith("127.") else "0.0.0.0")
-    from services.target.servicer import TargetServicer
     service = Service("upesi.v1.Target", TargetServicer(async_engine), target_pb2_grpc.add_TargetServicer_to_server)
 
     async def stop() -> None:
         async_engine.stop()
+        if publisher is not None:
+            publisher.stop()
 
-    log.info("model %s: %d KV blocks of %d tokens, context %d", engine.model_path, engine.block_manager.num_blocks,
-             cfg.block_size, engine.max_model_len)
+    log.info("model %s: %d KV blocks of %d tokens, context %d, registry %s", engine.model_path,
+             engine.block_manager.num_blocks, cfg.block_size, engine.max_model_len, cfg.registry or "none")
     await run_server(cfg.address, [service], on_stop=stop)
 
 

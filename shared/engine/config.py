@@ -19,6 +19,7 @@ class EngineConfig:
     max_model_len: int | None = None      # None = the model's context window
     num_threads: int | None = None        # torch intra-op threads on cpu
     progress: bool = True                 # progress bar while loading
+    enable_prefix_caching: bool = True    # reuse computed full blocks across requests
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -17,6 +17,7 @@ from shared.engine.sampling_params import InvalidRequest, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
 from shared.kv.block_manager import BlockManager
+from shared.kv.hashing import cache_extra
 from shared.model.loader import load_config, resolve_model_path
 from shared.model.registry import build_model
 
@@ -44,11 +45,12 @@ class LLMEngine:
         model, self.model_cfg = build_model(self.model_path, self.max_model_len, dtype, device, cfg.progress)
         per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg.block_size, dtype)
         num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
+        self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
         self.last_step_s = 0.0
 
     # ---------------------------------------------------------------- requests
@@ -67,10 +69,12 @@ class LLMEngine:
         if need > self.block_manager.num_blocks:
             raise InvalidRequest(f"the prompt needs {need} KV blocks but the cache has only "
                                  f"{self.block_manager.num_blocks} in all (block size {self.cfg.block_size})")
-        seqs = [Sequence(request_id, i, prompt, params) for i in range(params.n)]
+        extra = cache_extra(self.model_cfg.name, params.cache_salt)
+        seqs = [Sequence(request_id, i, prompt, params, extra) for i in range(params.n)]
         self.requests[request_id] = seqs
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(seqs[0])
+        if params.n > 1:                     # the other choices fork from choice 0 once its prompt is computed
+            self.pending_forks[seqs[0].seq_id] = seqs[1:]
 
     def abort(self, request_id: str, indices: list[int] | None = None) -> list[Delta]:
         """Stops some or all choices of a request; returns their final deltas."""
@@ -79,6 +83,13 @@ class LLMEngine:
             if not seq.is_finished and (not indices or seq.index in indices):
                 self.scheduler.finish(seq, "abort")
                 out.append(self._delta(seq, []))
+        for seq in self.requests.get(request_id, [])[:1]:
+            alive = [c for c in self.pending_forks.get(seq.seq_id, []) if not c.is_finished]
+            if seq.is_finished and alive:        # choice 0 went before forking: the next choice takes its place
+                del self.pending_forks[seq.seq_id]
+                self.scheduler.add(alive[0])
+                if alive[1:]:
+                    self.pending_forks[alive[0].seq_id] = alive[1:]
         self._forget_finished(request_id)
         return out
 
@@ -91,11 +102,24 @@ class LLMEngine:
         if not batch:
             return []
         t0 = time.perf_counter()
+        bm = self.block_manager
+        self.runner.copy_blocks(bm.pending_copies)
+        bm.pending_copies.clear()
         logits, which = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
+            bm.commit(seq)
         sampled = [batch.seqs[b] for b in which]
-        tokens = sample(logits, sampled) if sampled else []
+        rows = list(range(len(sampled)))
+        for row, parent in enumerate(list(sampled)):
+            for child in self.pending_forks.pop(parent.seq_id, []):
+                if child.is_finished:
+                    continue
+                bm.fork(parent, child)                   # shares the prompt's blocks (copy-on-write later)
+                self.scheduler.start(child)
+                sampled.append(child)
+                rows.append(row)                         # same next-token distribution, own generator
+        tokens = sample(logits[rows], sampled) if sampled else []
         deltas = []
         for seq, tok in zip(sampled, tokens):
             seq.token_ids.append(tok)
@@ -124,6 +148,7 @@ class LLMEngine:
         seqs = self.requests.get(request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self.requests[request_id]
+            self.pending_forks.pop(seqs[0].seq_id, None)
 
     # ---------------------------------------------------------------- offline API
     @torch.inference_mode()

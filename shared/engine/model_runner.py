@@ -63,6 +63,17 @@ class ModelRunner:
                 meta, sample_rows, sample_seqs)
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicates whole blocks (every layer, K and V) before the step writes into them."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """One forward pass -> logits [N, V] for the sequences that caught up, and their batch positions."""
         input_ids, positions, meta, rows, which = self.prepare(batch)

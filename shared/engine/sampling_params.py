@@ -18,6 +18,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
+    cache_salt: str = ""              # part of every block hash: requests with different salts never share KV
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:      # also catches NaN

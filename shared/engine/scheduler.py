@@ -76,6 +76,11 @@ class Scheduler:
         return ScheduledBatch(decodes + [s for s, _ in chunks], [1] * len(decodes) + [n for _, n in chunks],
                               len(decodes))
 
+    def start(self, seq: Sequence) -> None:
+        """Puts a sequence that already holds its blocks (a fork) straight into the running batch."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)

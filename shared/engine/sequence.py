@@ -22,9 +22,11 @@ class Sequence:
     """Tokens of one choice. KV of the first `num_computed_tokens` tokens is in the cache."""
 
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
-                 "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens")
+                 "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
+                 "block_hashes", "num_committed_blocks", "cache_extra")
 
-    def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> None:
+    def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
+                 cache_extra: bytes = b"") -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.index = index
@@ -35,6 +37,9 @@ class Sequence:
         self.params = params
         self.status = Status.WAITING
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []        # hashes of full blocks of token_ids (whether cached or not)
+        self.num_committed_blocks = 0            # leading blocks already offered to the prefix cache
+        self.cache_extra = cache_extra           # model + cache salt, part of every block hash
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         if not params.greedy:

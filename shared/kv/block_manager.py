@@ -1,30 +1,45 @@
-"""Physical KV blocks: a free list, reference counts and per-sequence block tables.
+"""Physical KV blocks: free list, reference counts, block tables, prefix caching and copy-on-write.
 
     block table of a sequence (logical -> physical)      physical pool (num_blocks)
-    [ 7 | 2 | 9 ]   16 + 16 + 5 tokens                   free: deque of ids, refcount 0
-                                                          used: refcount >= 1
-A sequence with L tokens in the cache owns ceil(L / block_size) blocks, so at most one block per
-sequence is partly filled. Reference counts let several sequences share a block (prefix caching and
-copy-on-write forks build on them).
+    [ 7 | 2 | 9 ]   16 + 16 + 5 tokens                   ref_counts[b]: sequences using block b
+      h7  h2  -    full blocks carry a hash              free: LRU order, ref 0 (may still be cached)
+                                                          cached: hash -> block, reusable until evicted
+
+- A sequence with L tokens owns ceil(L / block_size) blocks: at most one is partly filled.
+- A full block whose tokens are computed is committed: hashed (shared.kv.hashing) and offered for reuse. A new
+  sequence whose prompt starts with the same blocks takes them (refcount + 1) instead of recomputing them.
+- Freed blocks go to the back of the LRU list, a chain's tail first, so tails are evicted before heads. Taking a
+  cached block from the free list for new data evicts it (its hash goes to `removed`).
+- fork() shares every block of a parent; a sequence about to write into a block with refcount > 1 gets a private
+  copy first (copy-on-write): the copy is queued in `pending_copies` for the model runner to perform.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from typing import NewType
 
 from shared.engine.sequence import Sequence
+from shared.kv.hashing import BlockHash, hash_chain
 
 BlockId = NewType("BlockId", int)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_ids: deque[BlockId] = deque(BlockId(i) for i in range(num_blocks))
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, BlockId] = {}
+        self.free_ids: OrderedDict[BlockId, None] = OrderedDict((BlockId(i), None) for i in range(num_blocks))
+        self.pending_copies: list[tuple[BlockId, BlockId]] = []     # (src, dst) for the model runner
+        self.stored: list[BlockHash] = []                           # events for the prefix registry
+        self.removed: list[BlockHash] = []
+        self.query_tokens = 0                                       # prompt tokens looked up in the cache
+        self.hit_tokens = 0                                         # ... and found there
 
     @property
     def num_free_blocks(self) -> int:
@@ -37,34 +52,118 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -------- allocate: room for every token the sequence has now
+    # -------- allocate: room for every token the sequence has now, reusing cached prefix blocks
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the sequence's first num_blocks full blocks (computed once, extended as it grows)."""
+        have = seq.block_hashes
+        if len(have) < num_blocks:
+            bs = self.block_size
+            parent = have[-1] if have else BlockHash(0)
+            have.extend(hash_chain(seq.token_ids[len(have) * bs:num_blocks * bs], bs, seq.cache_extra, parent))
+        return have[:num_blocks]
+
+    def _match(self, seq: Sequence) -> list[BlockId]:
+        """Cached blocks for the longest prefix; the last token is always left to compute (it yields logits)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        hits = []
+        for h in self._hashes(seq, (len(seq) - 1) // self.block_size):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_for(len(seq)) - len(seq.block_table) <= len(self.free_ids)
+        hits = self._match(seq)
+        reusable_free = sum(1 for b in hits if self.ref_counts[b] == 0)
+        need = self.blocks_for(len(seq)) - len(seq.block_table) - len(hits)
+        return need <= len(self.free_ids) - reusable_free
 
     def allocate(self, seq: Sequence) -> None:
+        if not seq.block_table:                      # a new (or preempted) sequence: reuse its cached prefix
+            hits = self._match(seq)
+            for block in hits:
+                if self.ref_counts[block] == 0:
+                    del self.free_ids[block]
+                self.ref_counts[block] += 1
+            seq.block_table = list(hits)
+            seq.num_committed_blocks = len(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.query_tokens += len(seq)
+                self.hit_tokens += seq.num_computed_tokens
         for _ in range(self.blocks_for(len(seq)) - len(seq.block_table)):
             seq.block_table.append(self._take())
 
-    # -------- append: room for `n` more tokens after the ones in the table
+    # -------- append: room for `num_tokens` tokens in all, copying shared blocks that will be written
+    def _writes(self, seq: Sequence, num_tokens: int) -> range:
+        """Logical blocks the next step writes into (positions num_computed .. num_tokens - 1)."""
+        return range(seq.num_computed_tokens // self.block_size, self.blocks_for(num_tokens))
+
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - len(seq.block_table) <= len(self.free_ids)
+        table = seq.block_table
+        copies = sum(1 for i in self._writes(seq, num_tokens) if i < len(table) and self.ref_counts[table[i]] > 1)
+        return self.blocks_for(num_tokens) - len(table) + copies <= len(self.free_ids)
 
     def append(self, seq: Sequence, num_tokens: int) -> None:
-        """Makes the table hold `num_tokens` tokens in all."""
-        for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
-            seq.block_table.append(self._take())
+        table = seq.block_table
+        for i in self._writes(seq, num_tokens):
+            if i < len(table) and self.ref_counts[table[i]] > 1:       # copy-on-write
+                src, dst = table[i], self._take()
+                self.ref_counts[src] -= 1
+                self.pending_copies.append((src, dst))
+                table[i] = dst
+        for _ in range(self.blocks_for(num_tokens) - len(table)):
+            table.append(self._take())
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (and its computed state)."""
+        for block in parent.block_table:
+            self.ref_counts[block] += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_committed_blocks = parent.num_committed_blocks
+        child.num_cached_tokens = parent.num_cached_tokens
+
+    def commit(self, seq: Sequence) -> None:
+        """Offers the sequence's newly computed full blocks for reuse."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_committed_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_committed_blocks, full):
+            block, h = seq.block_table[i], hashes[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
+                self.stored.append(h)
+        seq.num_committed_blocks = full
 
     def free(self, seq: Sequence) -> None:
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.block_table):                        # tail first: evicted first
             self.ref_counts[block] -= 1
             if self.ref_counts[block] < 0:
                 raise RuntimeError(f"block {block} freed more often than taken")
             if self.ref_counts[block] == 0:
-                self.free_ids.append(block)
+                self.free_ids[block] = None
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_committed_blocks = 0
+
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        stored, removed, self.stored, self.removed = self.stored, self.removed, [], []
+        return stored, removed
 
     def _take(self) -> BlockId:
-        block = self.free_ids.popleft()
+        block, _ = self.free_ids.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:                                              # evict from the prefix cache
+            del self.cached[h]
+            self.removed.append(h)
+            self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

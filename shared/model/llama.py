@@ -14,7 +14,8 @@ from torch import nn
 
 from shared.model.config import ModelConfig
 from shared.model.rope import apply_rope, rope_tables
-from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref, write_kv
+from shared.ops.attention import paged_attention
+from shared.ops.paged_attention import AttentionMetadata, write_kv
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # per layer: k, v [NB, BS, KVH, Dh]
 
@@ -48,7 +49,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(t, self.h, self.dh), cos, sin)              # [T, H, Dh]
         k = apply_rope(k.view(t, self.kvh, self.dh), cos, sin)            # [T, KVH, Dh]
         write_kv(kv[0], kv[1], k, v.view(t, self.kvh, self.dh), meta.slot_mapping)
-        o = paged_attention_ref(q, kv[0], kv[1], meta, self.scale)        # [T, H, Dh]
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale)            # [T, H, Dh]
         return self.o_proj(o.reshape(t, self.h * self.dh))
 
 

@@ -1,0 +1,122 @@
+"""The Triton paged-attention kernel against paged_attention_ref, under TRITON_INTERPRET=1 on CPU (small shapes).
+
+Batches are ragged like the engine's: decodes first, then multi-token sequences (a whole prompt, a chunk after
+cached context, K+1 = 4 verification queries), partly filled last blocks, and block tables that share physical
+blocks (a common prefix).
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it when the kernel is defined
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import shared.ops.paged_attention_triton as pat  # noqa: E402
+from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref, write_kv  # noqa: E402
+
+if not isinstance(pat._paged_attention_kernel, InterpretedFunction):  # imported earlier without the variable
+    pat = importlib.reload(pat)
+PagedAttentionError, paged_attention_triton = pat.PagedAttentionError, pat.paged_attention_triton
+
+# (seq_len after the step, new tokens): 4 decodes (a 1-token sequence, a full block + 1, a partial block, exactly
+# one block), then a whole 20-token prompt, a 13-token chunk after 37 cached, and two K+1 = 4 verifications
+MIXED = [(1, 1), (17, 1), (40, 1), (16, 1), (20, 20), (50, 13), (37, 4), (19, 4)]
+SHARE = [(2, 5, 2), (6, 2, 2)]   # (seq, from seq, blocks): seq's first blocks are the other's physical blocks
+
+
+def make_batch(lens: list[tuple[int, int]], share: list[tuple[int, int, int]], h: int, kvh: int, dh: int,
+               bs: int, dtype: torch.dtype = torch.float32, seed: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """-> q [T, H, Dh], k/v caches [NB, BS, KVH, Dh] holding this step's K/V, and the step's metadata."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [(n + bs - 1) // bs for n, _ in lens]
+    num_blocks = sum(nblocks) + 3                                   # spare blocks hold junk nobody may read
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[ids.pop() for _ in range(nb)] for nb in nblocks]
+    for dst, src, n in share:                                       # only whole blocks of cached context
+        assert n * bs <= min(lens[dst][0] - lens[dst][1], lens[src][0] - lens[src][1])
+        tables[dst][:n] = tables[src][:n]
+    mb = max(nblocks) + 1                                           # a padding column of zeros at least
+    block_tables = torch.tensor([t + [0] * (mb - len(t)) for t in tables], dtype=torch.int64)  # [B, MB]
+
+    k_cache = torch.randn(num_blocks, bs, kvh, dh, generator=g).to(dtype)                      # the cached context
+    v_cache = torch.randn(num_blocks, bs, kvh, dh, generator=g).to(dtype)
+    slots = [tables[b][p // bs] * bs + p % bs for b, (n, q) in enumerate(lens) for p in range(n - q, n)]
+    t = len(slots)
+    q_lens = [q for _, q in lens]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),                                   # [T]
+        block_tables=block_tables,
+        seq_lens=torch.tensor([n for n, _ in lens], dtype=torch.int64),                        # [B]
+        query_start_loc=torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int64),  # [B + 1]
+        num_decodes=next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens)),
+        query_lens=q_lens,
+        seq_lens_host=[n for n, _ in lens],
+        max_query_len=max(q_lens),
+    )
+    write_kv(k_cache, v_cache, torch.randn(t, kvh, dh, generator=g), torch.randn(t, kvh, dh, generator=g),
+             meta.slot_mapping)
+    q = torch.randn(t, h, dh, generator=g).to(dtype)                                           # [T, H, Dh]
+    return q, k_cache, v_cache, meta
+
+
+def check(lens: list[tuple[int, int]], share: list[tuple[int, int, int]], h: int, kvh: int, dh: int, bs: int,
+          block_n: int | None = None, dtype: torch.dtype = torch.float32, atol: float = 1e-4) -> None:
+    q, k_cache, v_cache, meta = make_batch(lens, share, h, kvh, dh, bs, dtype)
+    out = paged_attention_triton(q, k_cache, v_cache, meta, dh ** -0.5, block_n=block_n)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, dh ** -0.5)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("h,kvh,dh", [(2, 2, 64), (4, 2, 64), (6, 2, 64), (6, 3, 128)], ids=str)
+def test_mixed_batch_matches_reference(h: int, kvh: int, dh: int) -> None:
+    """GQA ratios 1, 2, 3 (3 pads the head group to 4 rows) over decodes, a prompt, a chunk and verifications;
+    16-position KV steps so the online softmax rescales across several tiles."""
+    check(MIXED, SHARE, h, kvh, dh, bs=16, block_n=16)
+
+
+@pytest.mark.parametrize("bs,block_n", [(16, 16), (32, 32), (32, None)], ids=str)
+def test_block_sizes_and_kv_tiles(bs: int, block_n: int | None) -> None:
+    """One cache block per KV step (16 and 32 positions), and a 64-position KV tile spanning two 32-blocks."""
+    check([(3, 1), (70, 1), (45, 7), (66, 4)], [(2, 1, 1)], 4, 2, 64, bs, block_n)
+
+
+def test_decode_only_and_prefill_only() -> None:
+    check([(1, 1), (33, 1), (64, 1), (5, 1)], [(2, 1, 2)], 4, 2, 64, bs=16)
+    check([(9, 9), (24, 24)], [], 4, 2, 64, bs=16)
+
+
+def test_long_verification_spans_query_tiles() -> None:
+    """40 new tokens with G = 2: more than one query tile (32 rows each), the diagonal crossing KV tiles."""
+    check([(12, 1), (71, 40)], [], 4, 2, 64, bs=16)
+
+
+def test_bf16() -> None:
+    check(MIXED[2:7], [], 4, 2, 64, bs=16, dtype=torch.bfloat16, atol=2e-2)
+
+
+def test_strided_q_and_empty_step() -> None:
+    q, k_cache, v_cache, meta = make_batch([(20, 1), (30, 5)], [], 4, 2, 64, 16)
+    qkv = torch.cat([q, torch.randn_like(q)], dim=1)[:, :4]         # [T, H, Dh] with a stride of 2 H Dh per token
+    torch.testing.assert_close(paged_attention_triton(qkv, k_cache, v_cache, meta, 0.125),
+                               paged_attention_ref(q, k_cache, v_cache, meta, 0.125), rtol=0, atol=1e-4)
+    empty = AttentionMetadata(torch.empty(0, dtype=torch.int64), torch.empty(0, 1, dtype=torch.int64),
+                              torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 0, [], [], 0)
+    assert paged_attention_triton(q[:0], k_cache, v_cache, empty, 0.125).shape == (0, 4, 64)
+
+
+def test_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k_cache, v_cache, meta = make_batch([(5, 2)], [], 4, 2, 64, 16)
+    with pytest.raises(PagedAttentionError, match="multiple of kv heads"):
+        paged_attention_triton(q[:, :3], k_cache, v_cache, meta, 0.125)
+    with pytest.raises(PagedAttentionError, match="dims"):
+        paged_attention_triton(q[..., :32], k_cache, v_cache, meta, 0.125)
+    with pytest.raises(PagedAttentionError, match="block_n"):
+        paged_attention_triton(q, k_cache, v_cache, meta, 0.125, block_n=24)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(PagedAttentionError, match="CUDA"):
+        paged_attention_triton(q, k_cache, v_cache, meta, 0.125)
