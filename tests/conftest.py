@@ -86,12 +86,12 @@ class Stack:
     """`upesi serve` on free ports, as a user runs it."""
 
     def __init__(self, tmp: Path, extra: list[str] | None = None) -> None:
-        self.grpc_port, self.http_port = free_port(), free_port()
+        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.grpc_port}"
         self.log = tmp / "serve.log"
         cmd = [sys.executable, "-m", "services.cli", "serve", "--address", self.address,
                "--http-port", str(self.http_port), "--target-address", f"127.0.0.1:{free_port()}",
-               "--target-metrics-port", str(free_port()), "--kv-cache-gb", "0.5", *(extra or [])]
+               "--target-metrics-port", str(self.metrics_port), "--kv-cache-gb", "0.5", *(extra or [])]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 300) -> None:
