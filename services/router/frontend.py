@@ -35,6 +35,7 @@ class GenerationInput:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str = ""
+    beam_width: int | None = None
 
 
 @dataclass(slots=True)
@@ -106,7 +107,8 @@ class Frontend:
         params = SamplingParams(temperature=1.0 if inp.temperature is None else inp.temperature,
                                 top_p=1.0 if inp.top_p is None else inp.top_p,
                                 top_k=inp.top_k or 0, seed=inp.seed, max_tokens=max_tokens,
-                                ignore_eos=inp.ignore_eos, n=n, cache_salt=inp.cache_salt)
+                                ignore_eos=inp.ignore_eos, n=n, cache_salt=inp.cache_salt,
+                                beam_width=inp.beam_width or 0)
         return ids, params
 
     async def stream(self, inp: GenerationInput, timeout: float | None = None) -> AsyncIterator[StreamChunk]:

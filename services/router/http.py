@@ -9,6 +9,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.router.frontend import Frontend
+from services.router.openai_api import add_openai_routes
 
 
 def build_app(frontend: Frontend) -> FastAPI:
@@ -22,6 +23,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    add_openai_routes(app, frontend)
     return app
 
 

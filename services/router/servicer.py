@@ -14,7 +14,8 @@ def input_from_pb(req: generation_pb2.GenerateRequest) -> GenerationInput:
     return GenerationInput(prompt=req.prompt, messages=[{"role": m.role, "content": m.content} for m in req.messages],
                            max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
                            top_k=opt("top_k"), seed=opt("seed"), n=opt("n"), stop=list(req.stop),
-                           ignore_eos=req.ignore_eos, cache_salt=req.cache_salt)
+                           ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
+                           beam_width=opt("beam_width"))
 
 
 def _usage(chunk: StreamChunk) -> generation_pb2.Usage:

@@ -56,7 +56,7 @@ class TargetClient:
                                                top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
                                                ignore_eos=params.ignore_eos,
                                                stop_token_ids=params.stop_token_ids,
-                                               cache_salt=params.cache_salt))
+                                               cache_salt=params.cache_salt, beam_width=params.beam_width))
         call = self.stub.Generate(req, timeout=timeout)
         try:
             async for msg in call:

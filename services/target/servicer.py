@@ -14,7 +14,7 @@ def params_from_pb(req: target_pb2.TargetGenerateRequest) -> SamplingParams:
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           seed=s.seed if s.HasField("seed") else None, max_tokens=s.max_tokens,
                           ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids), n=req.n or 1,
-                          cache_salt=s.cache_salt)
+                          cache_salt=s.cache_salt, beam_width=s.beam_width)
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.beam import BeamGroup
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampler import sample
@@ -51,6 +52,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
+        self.beam_groups: dict[str, BeamGroup] = {}              # request id -> its beam search
         self.last_step_s = 0.0
 
     # ---------------------------------------------------------------- requests
@@ -73,11 +75,17 @@ class LLMEngine:
         seqs = [Sequence(request_id, i, prompt, params, extra) for i in range(params.n)]
         self.requests[request_id] = seqs
         self.scheduler.add(seqs[0])
+        if params.beam_width > 1:
+            self.beam_groups[request_id] = BeamGroup(
+                params.beam_width, min(params.max_tokens, self.max_model_len - len(prompt)),
+                set() if params.ignore_eos else self.eos_token_ids | set(params.stop_token_ids), beams=seqs)
         if params.n > 1:                     # the other choices fork from choice 0 once its prompt is computed
             self.pending_forks[seqs[0].seq_id] = seqs[1:]
 
     def abort(self, request_id: str, indices: list[int] | None = None) -> list[Delta]:
         """Stops some or all choices of a request; returns their final deltas."""
+        if self.beam_groups.pop(request_id, None) is not None:
+            indices = None                                # a beam search stops as a whole
         out = []
         for seq in self.requests.get(request_id, []):
             if not seq.is_finished and (not indices or seq.index in indices):
@@ -110,6 +118,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             bm.commit(seq)
         sampled = [batch.seqs[b] for b in which]
+        deltas = self._collect_beams(sampled, logits)   # beam sequences leave `sampled` here
         rows = list(range(len(sampled)))
         for row, parent in enumerate(list(sampled)):
             for child in self.pending_forks.pop(parent.seq_id, []):
@@ -120,7 +129,6 @@ class LLMEngine:
                 sampled.append(child)
                 rows.append(row)                         # same next-token distribution, own generator
         tokens = sample(logits[rows], sampled) if sampled else []
-        deltas = []
         for seq, tok in zip(sampled, tokens):
             seq.token_ids.append(tok)
             reason = self._finish_reason(seq, tok)
@@ -131,6 +139,51 @@ class LLMEngine:
             self._forget_finished(rid)
         self.last_step_s = time.perf_counter() - t0
         return deltas
+
+    def _collect_beams(self, sampled: list[Sequence], logits: torch.Tensor) -> list[Delta]:
+        """Takes the beam-search rows out of `sampled`; advances every group whose beams all have their row."""
+        keep, deltas = [], []
+        for row, seq in enumerate(sampled):
+            group = self.beam_groups.get(seq.request_id)
+            if group is None:
+                keep.append(seq)
+                continue
+            group.pending[seq.seq_id] = logits[row].log_softmax(-1)
+            if len(group.pending) == len(group.beams):
+                deltas.extend(self._advance_beams(seq.request_id, group))
+        sampled[:] = keep
+        return deltas
+
+    def _advance_beams(self, request_id: str, group: BeamGroup) -> list[Delta]:
+        logprobs = torch.stack([group.pending.pop(s.seq_id) for s in group.beams])     # [B, V]
+        choices = group.advance(logprobs)
+        if group.done:
+            for seq in group.beams:
+                self.scheduler.finish(seq, "abort")
+            tokens = group.best()
+            reason = "stop" if tokens and tokens[-1] in group.eos_token_ids else "length"
+            root = group.beams[0]
+            del self.beam_groups[request_id], self.requests[request_id]
+            return [Delta(request_id, 0, tokens, reason, root.num_prompt_tokens, root.num_cached_tokens)]
+        chosen: set[int] = set()
+        beams = []
+        for c in choices:                 # a beam chosen again is forked; its blocks are shared until written
+            if c.parent.seq_id in chosen:
+                child = c.parent.fork()
+                self.block_manager.fork(c.parent, child)
+                self.scheduler.start(child)
+                beams.append(child)
+            else:
+                chosen.add(c.parent.seq_id)
+                beams.append(c.parent)
+        for seq in group.beams:
+            if seq.seq_id not in chosen:   # a dead beam frees its blocks
+                self.scheduler.finish(seq, "abort")
+        for seq, c in zip(beams, choices):
+            seq.token_ids.append(c.token)
+        group.beams, group.scores = beams, [c.score for c in choices]
+        self.requests[request_id] = beams
+        return []
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

@@ -18,6 +18,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
+    beam_width: int = 0               # > 1: beam search (greedy over the beams' cumulative log-probability)
     cache_salt: str = ""              # part of every block hash: requests with different salts never share KV
 
     def __post_init__(self) -> None:
@@ -31,6 +32,10 @@ class SamplingParams:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {self.n}")
+        if self.beam_width < 0 or self.beam_width > 64:
+            raise InvalidRequest(f"beam_width must be between 0 and 64, got {self.beam_width}")
+        if self.beam_width > 1 and self.n > 1:
+            raise InvalidRequest("beam search returns one answer: use n = 1 with beam_width > 1")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequest(f"seed must be in [0, 2^63), got {self.seed}")
 

@@ -48,6 +48,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_uncomputed == 0:           # a beam waiting for the rest of its group: nothing to compute
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.can_append(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]

@@ -47,6 +47,13 @@ class Sequence:
             seed = params.seed + index if params.seed is not None else random.getrandbits(63)
             self.generator.manual_seed(seed)
 
+    def fork(self) -> "Sequence":
+        """A copy with its own id and the same tokens and progress; blocks are shared by BlockManager.fork."""
+        child = Sequence(self.request_id, self.index, [], self.params, self.cache_extra)
+        child.token_ids = list(self.token_ids)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        return child
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

@@ -114,3 +114,11 @@ def test_health_reflection_and_http(stack):
     assert json.load(urllib.request.urlopen(base + "/health"))["status"] == "ok"
     text = urllib.request.urlopen(base + "/metrics").read().decode()
     assert "upesi_requests_total" in text and "upesi_time_to_first_token_seconds" in text
+
+
+def test_beam_search_through_the_stack_equals_in_process(stub, engine, chat_prompt_ids):
+    from shared.engine.sampling_params import SamplingParams
+    r = stub.Generate(chat(CHAT_PROMPTS[3], max_tokens=12, temperature=0, beam_width=3), timeout=120)
+    local = engine.generate([chat_prompt_ids[3]], SamplingParams(temperature=0, max_tokens=12, beam_width=3))[0][0]
+    assert list(r.choices[0].token_ids) == local
+    assert r.choices[0].finish_reason in ("stop", "length")
