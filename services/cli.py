@@ -23,9 +23,10 @@ def _not_yet(name: str, issue: str):
 
 def build_parser() -> argparse.ArgumentParser:
     from services import launcher
+    from services.experts import main as experts
     from services.router import main as router
     from services.target import main as target
-    from services import generate_cmd
+    from services import generate_cmd, quantize_cmd
 
     p = argparse.ArgumentParser(prog="upesi", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,10 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("serve", "start router and target as child processes (what `make run` does)", launcher)
     add("generate", "stream an answer from a running stack", generate_cmd)
+    add("quantize", "write an NVFP4 (compressed-tensors) checkpoint of a model", quantize_cmd)
     add("router", "run the router: public gRPC API (and HTTP /health, /metrics)", router)
     add("target", "run a target: model, paged KV cache, continuous batching", target)
-    for name, issue in (("draft", "speculative decoding lands with its own issue"),
-                        ("experts", "expert parallelism lands with its own issue")):
+    add("experts", "run an expert shard: the FFN weights placed on it, stateless batched compute", experts)
+    for name, issue in (("draft", "speculative decoding lands with its own issue"),):
         sp = sub.add_parser(name, help=f"run a {name} service (not available yet)")
         sp.set_defaults(func=_not_yet(name, issue))
     return p

@@ -26,15 +26,25 @@ class ServeConfig:
     max_num_seqs: int = option(64, "target: most sequences in the running batch")
     num_threads: int | None = option(None, "target: torch CPU threads")
     device: str = option("auto", "target device: cpu, cuda or auto")
+    expert_shards: int = option(0, "expert shard processes (0 = FFNs run in the target); they listen on the ports "
+                                   "after the targets'")
+    expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards (default: contiguous)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
 
     def __post_init__(self) -> None:
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
+        if self.expert_shards < 0:
+            raise ValueError(f"expert_shards must be >= 0, got {self.expert_shards}")
 
     def target_addresses(self) -> list[str]:
         host, port = self.target_address.rsplit(":", 1)
         return [f"{host}:{int(port) + i}" for i in range(self.target_replicas)]
+
+    def expert_addresses(self) -> list[str]:
+        host, port = self.target_address.rsplit(":", 1)
+        first = int(port) + self.target_replicas
+        return [f"{host}:{first + i}" for i in range(self.expert_shards)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,21 +103,38 @@ def main(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         registry = ["--registry", cfg.registry] if cfg.registry else []
+        placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
+        shards: dict[int, tuple[int, str, list[str]]] = {}   # index in procs -> (shard, address, its command)
+        for i, address in enumerate(cfg.expert_addresses()):
+            shards[len(procs)] = (i, address, ["experts", "--address", address, "--shard-index", str(i),
+                                               "--num-shards", str(cfg.expert_shards), "--device", cfg.device,
+                                               *model, *threads, *placement])
+            procs.append(_child(shards[len(procs)][2]))
+            print(f"upesi: expert shard {i} on {address} (pid {procs[-1].pid})", flush=True)
+        experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
         for i, address in enumerate(cfg.target_addresses()):
             metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0
             procs.append(_child(["target", "--address", address, "--replica-id", address,
                                  "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                                  "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
-                                 *model, *threads, *registry]))
+                                 *model, *threads, *registry, *experts]))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
                              *model, *registry]))
         _wait_healthy(cfg.address, procs, cfg.ready_timeout_s)
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "
               "(Ctrl-C to stop)", flush=True)
-        while all(p.poll() is None for p in procs):
+        while True:
+            for i, (shard, address, command) in shards.items():   # stateless: restart it, targets reconnect
+                if procs[i].poll() is not None:
+                    print(f"upesi: expert shard {shard} exited (code {procs[i].returncode}); restarting it",
+                          file=sys.stderr, flush=True)
+                    procs[i] = _child(command)
+                    print(f"upesi: expert shard {shard} on {address} (pid {procs[i].pid})", flush=True)
+            if any(p.poll() is not None for i, p in enumerate(procs) if i not in shards):
+                break
             time.sleep(0.5)
-        dead = [p for p in procs if p.poll() is not None]
+        dead = [p for i, p in enumerate(procs) if i not in shards and p.poll() is not None]
         print(f"upesi: a service exited (code {dead[0].returncode}); stopping the stack", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:

@@ -36,6 +36,7 @@ class GenerationInput:
     ignore_eos: bool = False
     cache_salt: str = ""
     beam_width: int | None = None
+    num_speculative_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +54,8 @@ class StreamChunk:
     completion_tokens: int
     cached_tokens: int
     done: bool
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Frontend:
@@ -108,7 +111,7 @@ class Frontend:
                                 top_p=1.0 if inp.top_p is None else inp.top_p,
                                 top_k=inp.top_k or 0, seed=inp.seed, max_tokens=max_tokens,
                                 ignore_eos=inp.ignore_eos, n=n, cache_salt=inp.cache_salt,
-                                beam_width=inp.beam_width or 0)
+                                beam_width=inp.beam_width or 0, num_speculative_tokens=inp.num_speculative_tokens)
         return ids, params
 
     async def stream(self, inp: GenerationInput, timeout: float | None = None) -> AsyncIterator[StreamChunk]:
@@ -126,9 +129,11 @@ class Frontend:
         choices = [ChoiceText(self.tok, inp.stop, ids) for _ in range(params.n)]
         t0 = last = time.perf_counter()
         cached = 0
+        spec: dict[int, tuple[int, int]] = {}
         try:
             async for step in target.generate(request_id, ids, params, timeout):
                 cached = max(cached, step.cached_tokens)
+                spec.update(step.spec)
                 out, stopped = [], []
                 for index, tokens, reason in step.deltas:
                     d = choices[index].push(tokens, reason)
@@ -146,7 +151,8 @@ class Frontend:
                     last = now
                 done = all(c.finish_reason is not None for c in choices)
                 if out or done:
-                    yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done)
+                    yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done,
+                                      sum(d for d, _ in spec.values()), sum(a for _, a in spec.values()))
                 if done:
                     return
             raise PeerUnavailable(f"the target {target.address} ended the stream before the answer was done")

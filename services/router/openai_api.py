@@ -155,10 +155,10 @@ def _content(i: int, content: Any) -> str:
 
 def generation_input(req: _Request, vocab_size: int) -> GenerationInput:
     """The Frontend's input for a parsed request; raises InvalidRequest on what pydantic cannot check."""
-    top_k = req.top_k
+    top_k, temperature = req.top_k, req.temperature
     if top_k is not None and (top_k == -1 or top_k >= vocab_size):
         top_k = 0                                                 # no limit, as -1 means in vLLM
-    inp = GenerationInput(temperature=req.temperature, top_p=req.top_p, top_k=top_k, seed=req.seed, n=req.n,
+    inp = GenerationInput(temperature=temperature, top_p=req.top_p, top_k=top_k, seed=req.seed, n=req.n,
                           stop=_stop(req.stop), ignore_eos=req.ignore_eos, cache_salt=req.cache_salt)
     if isinstance(req, ChatRequest):
         inp.messages = [{"role": m.role, "content": _content(i, m.content)} for i, m in enumerate(req.messages)]
@@ -229,7 +229,7 @@ class _Reply:
 
     def chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> dict:
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": choices}
+                               "created": self.created, "model": self.model, "choices": choices}
         if with_usage:
             out["usage"] = usage
         return out

@@ -15,7 +15,11 @@ def input_from_pb(req: generation_pb2.GenerateRequest) -> GenerationInput:
                            max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
                            top_k=opt("top_k"), seed=opt("seed"), n=opt("n"), stop=list(req.stop),
                            ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
-                           beam_width=opt("beam_width"))
+                           beam_width=opt("beam_width"), num_speculative_tokens=opt("num_speculative_tokens"))
+
+
+def _spec(chunk: StreamChunk) -> generation_pb2.SpecStats:
+    return generation_pb2.SpecStats(draft_tokens=chunk.draft_tokens, accepted_tokens=chunk.accepted_tokens)
 
 
 def _usage(chunk: StreamChunk) -> generation_pb2.Usage:
@@ -55,7 +59,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     reasons[c.index] = c.finish_reason or reasons[c.index]
                 last = chunk
             return generation_pb2.GenerateResponse(
-                request_id=request.request_id, usage=_usage(last),
+                request_id=request.request_id, usage=_usage(last), spec=_spec(last),
                 choices=[generation_pb2.Choice(index=i, text=texts[i], token_ids=ids[i], finish_reason=reasons[i])
                          for i in range(n)])
 
@@ -68,4 +72,5 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                           finish_reason=c.finish_reason or "") for c in chunk.choices])
                 if chunk.done:
                     msg.usage.CopyFrom(_usage(chunk))
+                    msg.spec.CopyFrom(_spec(chunk))
                 yield msg

@@ -26,6 +26,7 @@ class TargetInfo:
 @dataclass(slots=True)
 class StepOutput:
     deltas: list[tuple[int, list[int], str | None]]   # (choice index, new token ids, finish reason)
+    spec: dict[int, tuple[int, int]]                   # choice index -> (draft tokens, accepted tokens) so far
     prompt_tokens: int
     cached_tokens: int
 
@@ -56,11 +57,13 @@ class TargetClient:
                                                top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
                                                ignore_eos=params.ignore_eos,
                                                stop_token_ids=params.stop_token_ids,
-                                               cache_salt=params.cache_salt, beam_width=params.beam_width))
+                                               cache_salt=params.cache_salt, beam_width=params.beam_width,
+                                               num_speculative_tokens=params.num_speculative_tokens))
         call = self.stub.Generate(req, timeout=timeout)
         try:
             async for msg in call:
                 yield StepOutput([(d.index, list(d.token_ids), d.finish_reason or None) for d in msg.deltas],
+                                 {d.index: (d.draft_tokens, d.accepted_tokens) for d in msg.deltas},
                                  msg.prompt_tokens, msg.cached_tokens)
         finally:
             call.cancel()

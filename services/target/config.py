@@ -23,16 +23,30 @@ class TargetConfig:
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     progress: bool = option(True, "show a progress bar while loading")
     enable_prefix_caching: bool = option(True, "reuse computed KV blocks across requests with a common prefix")
+    speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
+    num_speculative_tokens: int = option(3, "default K, the draft tokens verified per step")
     registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (default: none)")
     replica_id: str | None = option(None, "this replica's name in the registry (default: its address)")
+    expert_shards: str | None = option(None, "expert shard addresses, comma-separated in shard order: every layer's "
+                                             "FFN runs there (default: none, FFNs run in this process)")
+    expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards (default: contiguous)")
+    expert_timeout_s: float = option(5.0, "deadline of one call to an expert shard; past it the shard counts as down")
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+        if self.expert_timeout_s <= 0:
+            raise ValueError(f"expert_timeout_s must be positive, got {self.expert_timeout_s}")
+        if self.expert_shards is not None and not self.expert_addresses():
+            raise ValueError("expert_shards is set but names no address")
+
+    def expert_addresses(self) -> list[str]:
+        return [a.strip() for a in (self.expert_shards or "").split(",") if a.strip()]
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
                             kv_cache_gb=self.kv_cache_gb, num_kv_blocks=self.num_kv_blocks,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=self.max_model_len, num_threads=self.num_threads, progress=self.progress,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching, speculative=self.speculative,
+                            num_speculative_tokens=self.num_speculative_tokens)

@@ -24,7 +24,7 @@ class StepObserver:
 
     def __init__(self, publisher=None) -> None:
         self.publisher = publisher
-        self.seen = {"preempt": 0, "query": 0, "hit": 0}
+        self.seen = {"preempt": 0, "query": 0, "hit": 0, "draft": 0, "accepted": 0}
 
     def _inc(self, counter, key: str, value: int) -> None:
         if value > self.seen[key]:
@@ -40,6 +40,8 @@ class StepObserver:
         self._inc(metrics.PREEMPTIONS, "preempt", sch.num_preemptions)
         self._inc(metrics.PREFIX_QUERIES, "query", bm.query_tokens)
         self._inc(metrics.PREFIX_HITS, "hit", bm.hit_tokens)
+        self._inc(metrics.SPEC_DRAFT, "draft", engine.stats_draft)
+        self._inc(metrics.SPEC_ACCEPTED, "accepted", engine.stats_accepted)
         stored, removed = bm.drain_events()
         if self.publisher is not None:
             if stored:
@@ -59,6 +61,24 @@ def _publisher(cfg: TargetConfig):
     return publisher
 
 
+def _attach_expert_shards(cfg: TargetConfig, engine: LLMEngine):
+    """Moves every layer's FFN to the expert shards (waiting for them to come up) and frees the local weights."""
+    if not cfg.expert_addresses():
+        return None
+    from shared.model.placement import load_placement, num_routed_experts
+    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
+
+    addresses, model = cfg.expert_addresses(), engine.runner.model
+    placement = load_placement(cfg.expert_placement, len(addresses), num_routed_experts(engine.model_cfg))
+    client = ExpertsClient(addresses, placement, [bool(k) for k in ffn_kinds(model)], cfg.expert_timeout_s)
+    log.info("waiting for %d expert shards: %s", len(addresses), ", ".join(addresses))
+    client.wait_ready(engine.model_cfg, timeout_s=600)
+    freed = attach_expert_shards(model, client)
+    log.info("FFNs of %d layers run on %d expert shards; freed %.1f MiB of local FFN weights",
+             len(client.dense_layers), len(addresses), freed / 2**20)
+    return client
+
+
 async def serve(cfg: TargetConfig) -> None:
     from prometheus_client import start_http_server
 
@@ -66,6 +86,7 @@ async def serve(cfg: TargetConfig) -> None:
     from upesi.v1 import target_pb2_grpc
 
     engine = LLMEngine(cfg.engine_config())
+    experts = _attach_expert_shards(cfg, engine)
     metrics.KV_BLOCKS_TOTAL.set(engine.block_manager.num_blocks)
     publisher = _publisher(cfg)
     async_engine = AsyncEngine(engine, on_step=StepObserver(publisher))
@@ -77,6 +98,8 @@ async def serve(cfg: TargetConfig) -> None:
         async_engine.stop()
         if publisher is not None:
             publisher.stop()
+        if experts is not None:
+            experts.close()
 
     log.info("model %s: %d KV blocks of %d tokens, context %d, registry %s", engine.model_path,
              engine.block_manager.num_blocks, cfg.block_size, engine.max_model_len, cfg.registry or "none")

@@ -14,7 +14,9 @@ def params_from_pb(req: target_pb2.TargetGenerateRequest) -> SamplingParams:
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           seed=s.seed if s.HasField("seed") else None, max_tokens=s.max_tokens,
                           ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids), n=req.n or 1,
-                          cache_salt=s.cache_salt, beam_width=s.beam_width)
+                          cache_salt=s.cache_salt, beam_width=s.beam_width,
+                          num_speculative_tokens=s.num_speculative_tokens if s.HasField("num_speculative_tokens")
+                          else None)
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
@@ -29,7 +31,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         first = True
         async for d in self.engine.generate(request.request_id, list(request.prompt_token_ids), params):
             msg = target_pb2.TargetGenerateResponse(deltas=[target_pb2.TokenDelta(
-                index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason or "")])
+                index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
+                draft_tokens=d.num_draft_tokens, accepted_tokens=d.num_accepted_tokens)])
             if first:
                 msg.prompt_tokens, msg.cached_tokens, first = d.num_prompt_tokens, d.num_cached_tokens, False
             yield msg

@@ -77,7 +77,12 @@ class AsyncEngine:
                     pass
                 if self._stopped.is_set():
                     break
-                deltas = eng.step()
+                try:
+                    deltas = eng.step()
+                except Exception as e:            # one bad step fails the requests in flight, not the service
+                    log.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(e)
+                    continue
                 self._deliver(deltas)
                 if self.on_step:
                     self.on_step(eng)
@@ -86,6 +91,13 @@ class AsyncEngine:
             self.error = e
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, e)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, err)
+        self._streams.clear()
 
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "add":

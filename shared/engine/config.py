@@ -20,6 +20,9 @@ class EngineConfig:
     num_threads: int | None = None        # torch intra-op threads on cpu
     progress: bool = True                 # progress bar while loading
     enable_prefix_caching: bool = True    # reuse computed full blocks across requests
+    speculative: str | None = None        # proposer: "ngram" or "draft-model:PATH" (None = no speculation)
+    num_speculative_tokens: int = 3       # K, the default of requests that do not set it
+    draft_kv_blocks: int = 512            # KV blocks of a draft model
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

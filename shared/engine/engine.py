@@ -13,7 +13,9 @@ import torch
 from shared.engine.beam import BeamGroup
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import ModelRunner
-from shared.engine.sampler import sample
+from shared.engine.proposers import make_proposer
+from shared.engine.rejection import verify_greedy, verify_sampled
+from shared.engine.sampler import probs_from_logits, sample
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
@@ -32,6 +34,8 @@ class Delta:
     finish_reason: str | None            # "stop", "length", "abort" or None while running
     num_prompt_tokens: int
     num_cached_tokens: int
+    num_draft_tokens: int = 0            # speculative decoding, cumulative for the choice
+    num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -44,15 +48,18 @@ class LLMEngine:
         window = load_config(self.model_path).max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or window, window)
         model, self.model_cfg = build_model(self.model_path, self.max_model_len, dtype, device, cfg.progress)
-        per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg.block_size, dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg.block_size, dtype, model)
         num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
+        self.proposer = make_proposer(cfg.speculative, cfg.draft_kv_blocks, cfg.block_size, dtype, device,
+                                      self.max_model_len) if cfg.speculative else None
         self.requests: dict[str, list[Sequence]] = {}
         self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
         self.beam_groups: dict[str, BeamGroup] = {}              # request id -> its beam search
+        self.stats_draft = self.stats_accepted = 0               # speculative tokens proposed / accepted
         self.last_step_s = 0.0
 
     # ---------------------------------------------------------------- requests
@@ -106,6 +113,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[Delta]:
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -113,14 +122,21 @@ class LLMEngine:
         bm = self.block_manager
         self.runner.copy_blocks(bm.pending_copies)
         bm.pending_copies.clear()
-        logits, which = self.runner.run(batch)
+        logits, groups = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-            bm.commit(seq)
-        sampled = [batch.seqs[b] for b in which]
-        deltas = self._collect_beams(sampled, logits)   # beam sequences leave `sampled` here
-        rows = list(range(len(sampled)))
-        for row, parent in enumerate(list(sampled)):
+            if not seq.spec_tokens:
+                bm.commit(seq)                           # verified sequences commit after their rollback
+        sampled, rows, deltas = [], [], []
+        for b, row, count in groups:
+            seq = batch.seqs[b]
+            if seq.spec_tokens:
+                deltas.append(self._verify(seq, logits[row:row + count]))
+            else:
+                sampled.append(seq)
+                rows.append(row)
+        deltas += self._collect_beams(sampled, rows, logits)   # beam sequences leave `sampled` here
+        for row, parent in zip(list(rows), list(sampled)):
             for child in self.pending_forks.pop(parent.seq_id, []):
                 if child.is_finished:
                     continue
@@ -140,18 +156,19 @@ class LLMEngine:
         self.last_step_s = time.perf_counter() - t0
         return deltas
 
-    def _collect_beams(self, sampled: list[Sequence], logits: torch.Tensor) -> list[Delta]:
+    def _collect_beams(self, sampled: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Delta]:
         """Takes the beam-search rows out of `sampled`; advances every group whose beams all have their row."""
-        keep, deltas = [], []
-        for row, seq in enumerate(sampled):
+        keep, keep_rows, deltas = [], [], []
+        for row, seq in zip(rows, sampled):
             group = self.beam_groups.get(seq.request_id)
             if group is None:
                 keep.append(seq)
+                keep_rows.append(row)
                 continue
             group.pending[seq.seq_id] = logits[row].log_softmax(-1)
             if len(group.pending) == len(group.beams):
                 deltas.extend(self._advance_beams(seq.request_id, group))
-        sampled[:] = keep
+        sampled[:], rows[:] = keep, keep_rows
         return deltas
 
     def _advance_beams(self, request_id: str, group: BeamGroup) -> list[Delta]:
@@ -185,6 +202,64 @@ class LLMEngine:
         self.requests[request_id] = beams
         return []
 
+    # ---------------------------------------------------------------- speculative decoding
+    def _spec_k(self, seq: Sequence) -> int:
+        p = seq.params
+        k_max = self.cfg.num_speculative_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
+        if k_max <= 0 or seq.request_id in self.beam_groups:
+            return 0
+        if seq.spec_k == 0:
+            seq.spec_k = k_max
+        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        return max(0, min(seq.spec_k, k_max, room))
+
+    def _propose(self) -> None:
+        seqs, ks = [], []
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed == 1 and not seq.spec_tokens and seq.num_output_tokens > 0:
+                k = self._spec_k(seq)
+                if k:
+                    seqs.append(seq)
+                    ks.append(k)
+        if not seqs:
+            return
+        for seq, (tokens, probs) in zip(seqs, self.proposer.propose(seqs, ks)):
+            if tokens:
+                seq.token_ids.extend(tokens)
+                seq.spec_tokens, seq.spec_probs = list(tokens), probs
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> Delta:
+        """logits [K + 1, V] of a sequence that carried K draft tokens: accept, roll back, emit."""
+        draft, q = seq.spec_tokens, seq.spec_probs
+        p = seq.params
+        if p.greedy:
+            n, tok = verify_greedy(logits, draft)
+        else:
+            probs = probs_from_logits(logits, torch.full((len(logits),), p.temperature),
+                                      torch.full((len(logits),), p.top_k), torch.full((len(logits),), p.top_p))
+            n, tok = verify_sampled(probs, q, draft, seq.generator)
+        base = len(seq) - len(draft)                  # tokens before the drafts
+        del seq.token_ids[base:]
+        seq.spec_tokens, seq.spec_probs = [], None
+        seq.num_draft_tokens += len(draft)
+        seq.num_accepted_tokens += n
+        self.stats_draft += len(draft)
+        self.stats_accepted += n
+        seq.spec_k = seq.spec_k + 1 if n == len(draft) else max(1, seq.spec_k - (n == 0))   # adaptive K
+        emitted = []
+        for t in draft[:n] + [tok]:
+            seq.token_ids.append(t)
+            emitted.append(t)
+            reason = self._finish_reason(seq, t)
+            if reason:
+                break
+        seq.num_computed_tokens = min(base + n, len(seq) - 1)   # KV of rejected positions is dropped
+        self.block_manager.trim(seq)
+        self.block_manager.commit(seq)
+        if reason:
+            self.scheduler.finish(seq, reason)
+        return self._delta(seq, emitted)
+
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
@@ -195,12 +270,15 @@ class LLMEngine:
 
     def _delta(self, seq: Sequence, tokens: list[int]) -> Delta:
         return Delta(seq.request_id, seq.index, tokens, seq.finish_reason, seq.num_prompt_tokens,
-                     seq.num_cached_tokens)
+                     seq.num_cached_tokens, seq.num_draft_tokens, seq.num_accepted_tokens)
 
     def _forget_finished(self, request_id: str) -> None:
         seqs = self.requests.get(request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self.requests[request_id]
+            if self.proposer is not None:
+                for seq in seqs:
+                    self.proposer.release(seq.seq_id)
             self.pending_forks.pop(seqs[0].seq_id, None)
 
     # ---------------------------------------------------------------- offline API

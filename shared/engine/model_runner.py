@@ -11,22 +11,37 @@ from shared.model.config import ModelConfig
 from shared.ops.paged_attention import AttentionMetadata
 
 
+def kv_cache_layout(model: torch.nn.Module | None, cfg: ModelConfig) -> tuple[int, int, bool]:
+    """(kv heads, head dim, K and V are one tensor) of each layer's cache. A model whose cache is not per-head K/V
+    (MLA's compressed latent) declares it with kv_cache_spec() -> (heads, dim) and `kv_cache_shared`."""
+    spec = getattr(model, "kv_cache_spec", None)
+    if spec is None:
+        return cfg.num_kv_heads, cfg.head_dim, False
+    kvh, dh = spec()
+    return kvh, dh, bool(getattr(model, "kv_cache_shared", False))
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(cfg.num_layers)]
+        kvh, dh, shared = kv_cache_layout(model, cfg)
+        shape = (num_blocks, block_size, kvh, dh)
+        self.kv_caches = []
+        for _ in range(cfg.num_layers):
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            self.kv_caches.append((k, k if shared else torch.zeros(shape, dtype=dtype, device=device)))
 
     @staticmethod
-    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                           model: torch.nn.Module | None = None) -> int:
+        kvh, dh, shared = kv_cache_layout(model, cfg)
+        return (1 if shared else 2) * cfg.num_layers * block_size * kvh * dh * dtype.itemsize
 
     def prepare(self, batch: ScheduledBatch
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
-        """Builds input ids, positions and attention metadata, plus the rows whose logits are needed and the
-        batch index of the sequence each such row belongs to."""
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[tuple[int, int, int]]]:
+        """Builds input ids, positions and attention metadata, plus the rows whose logits are needed and, per
+        sequence that needs logits, (batch index, first of its rows among them, row count)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -34,7 +49,7 @@ class ModelRunner:
         starts = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
-        sample_seqs: list[int] = []
+        sample_seqs: list[tuple[int, int, int]] = []
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c = seq.num_computed_tokens
             ids.extend(seq.token_ids[c:c + n])
@@ -43,9 +58,10 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
-            if c + n == len(seq):                    # caught up: the last row predicts the next token
-                sample_rows.append(starts[-1] - 1)
-                sample_seqs.append(b)
+            if c + n == len(seq):                    # caught up: the last row predicts the next token,
+                k = len(seq.spec_tokens)             # and K draft tokens need the K rows before it too
+                sample_seqs.append((b, len(sample_rows), k + 1))
+                sample_rows.extend(range(starts[-1] - 1 - k, starts[-1]))
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
         dev = self.device
@@ -74,8 +90,9 @@ class ModelRunner:
             v[dst] = v[src]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """One forward pass -> logits [N, V] for the sequences that caught up, and their batch positions."""
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """One forward pass -> logits [N, V] of the rows that predict tokens, and (batch index, first row, rows)
+        per sequence (one row, or K + 1 for a sequence verifying K draft tokens)."""
         input_ids, positions, meta, rows, which = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)           # [T, D]
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)   # [N, V]

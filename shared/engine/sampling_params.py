@@ -19,6 +19,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     beam_width: int = 0               # > 1: beam search (greedy over the beams' cumulative log-probability)
+    num_speculative_tokens: int | None = None   # K for this request (0 = off, None = the deployment default)
     cache_salt: str = ""              # part of every block hash: requests with different salts never share KV
 
     def __post_init__(self) -> None:
@@ -32,6 +33,8 @@ class SamplingParams:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {self.n}")
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
+            raise InvalidRequest(f"num_speculative_tokens must be between 0 and 16, got {self.num_speculative_tokens}")
         if self.beam_width < 0 or self.beam_width > 64:
             raise InvalidRequest(f"beam_width must be between 0 and 64, got {self.beam_width}")
         if self.beam_width > 1 and self.n > 1:
@@ -41,4 +44,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below 1e-5 dividing logits by the temperature overflows float32; such a distribution is argmax anyway.
+        return self.temperature < 1e-5

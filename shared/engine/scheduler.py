@@ -52,6 +52,9 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed, budget)
+            if seq.spec_tokens and n < seq.num_uncomputed:   # a verification runs whole or not at all
+                seq.drop_speculation()
+                n = 1
             while not self.blocks.can_append(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -85,6 +88,7 @@ class Scheduler:
         self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drop_speculation()
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.WAITING

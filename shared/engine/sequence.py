@@ -23,7 +23,8 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
-                 "block_hashes", "num_committed_blocks", "cache_extra")
+                 "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_k",
+                 "num_draft_tokens", "num_accepted_tokens")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -40,6 +41,11 @@ class Sequence:
         self.block_hashes: list[int] = []        # hashes of full blocks of token_ids (whether cached or not)
         self.num_committed_blocks = 0            # leading blocks already offered to the prefix cache
         self.cache_extra = cache_extra           # model + cache salt, part of every block hash
+        self.spec_tokens: list[int] = []         # draft tokens appended provisionally, verified next step
+        self.spec_probs = None                   # their draft probabilities q [K, V], None for point masses
+        self.spec_k = 0                          # adaptive number of tokens to propose (0 = not decided yet)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         if not params.greedy:
@@ -53,6 +59,13 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.num_prompt_tokens = self.num_prompt_tokens
         return child
+
+    def drop_speculation(self) -> None:
+        """Forgets unverified draft tokens (when the step cannot verify them: preemption, token budget)."""
+        if self.spec_tokens:
+            del self.token_ids[len(self.token_ids) - len(self.spec_tokens):]
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids) - 1)
+            self.spec_tokens, self.spec_probs = [], None
 
     def __len__(self) -> int:
         return len(self.token_ids)

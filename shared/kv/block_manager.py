@@ -144,6 +144,15 @@ class BlockManager:
                 self.stored.append(h)
         seq.num_committed_blocks = full
 
+    def trim(self, seq: Sequence) -> None:
+        """Returns the blocks past the sequence's tokens (after a speculative rollback). They were never committed."""
+        keep = self.blocks_for(len(seq))
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_ids[block] = None
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):                        # tail first: evicted first
             self.ref_counts[block] -= 1

@@ -7,14 +7,22 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
+from shared.model.deepseek_v3 import DeepseekV3ForCausalLM
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import iter_weights, load_config
+from shared.model.mixtral import MixtralForCausalLM
+from shared.model.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from shared.model.rope import rope_tables
+from shared.quant.model_quant import apply_quantization
 
 ARCHITECTURES: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "smollm": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 
@@ -27,11 +35,12 @@ def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.devic
         raise ValueError(f"architecture {cfg.architecture!r} is not supported; known: {sorted(ARCHITECTURES)}")
     with torch.device("meta"):
         model = factory(cfg, max_len)
+    consume = apply_quantization(model, cfg.extra, path)   # quantised checkpoints: swap layers, take their tensors
     model = model.to_empty(device="cpu")          # no random init: every weight comes from the checkpoint
     model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(iter_weights(path, cfg, progress))
+    model.load_weights(consume(iter_weights(path, cfg, progress)))
     model = model.to(device=device, dtype=dtype).eval()
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()   # tables stay fp32
     return model, cfg

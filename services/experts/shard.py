@@ -1,0 +1,190 @@
+"""What an expert shard holds and computes: the FFN units placed on it (all layers), read from the checkpoint.
+
+Stateless between calls: a Dispatch carries every slot it needs. Units are routed experts of MoE layers
+(`layers.L.mlp.experts.E.*`, Mixtral's `block_sparse_moe.experts.E.w1/w2/w3`) or slices of dense FFNs
+(`layers.L.mlp.{gate,up,down}_proj`, sliced by intermediate neurons, see shared.model.placement). Shared experts stay
+on the target.
+
+Shapes: U = token rows in a call, S = slots, D = hidden, i = a unit's intermediate width.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.sampling_params import InvalidRequest
+from shared.model.config import ModelConfig
+from shared.model.loader import iter_weights, load_config, resolve_model_path
+from shared.model.placement import Placement, Unit, dense_slice, num_routed_experts
+
+log = logging.getLogger("upesi.experts")
+
+_EXPERT = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|bias)")
+_DENSE = re.compile(r"(?:model\.)?layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+@dataclass(slots=True)
+class FfnUnit:
+    """SwiGLU on a slice: down(silu(gate(x)) * up(x))."""
+    gate_up: torch.Tensor                      # [2i, D]
+    down: torch.Tensor                         # [D, i]
+    gate_up_bias: torch.Tensor | None = None   # [2i]
+    down_bias: torch.Tensor | None = None      # [D] (a dense layer's slice 0 only, so the sum adds it once)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)    # [S, i] each
+        return F.linear(F.silu(gate) * up, self.down, self.down_bias)               # [S, D]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down, self.gate_up_bias,
+                                                          self.down_bias) if t is not None)
+
+
+def ffn_forward(units: Mapping[int, FfnUnit], hidden: torch.Tensor, unit_ids: torch.Tensor,
+                weights: torch.Tensor | None = None, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The shard's compute. hidden [U, D]; per slot: unit_ids [S], weights [S] (None = 1), slot_rows [S] (None =
+    slot s reads row s) -> [U, D], per row the sum of its slots' weighted unit outputs, in ascending unit order."""
+    present = torch.unique(unit_ids).tolist()                           # the one host sync of the call
+    if slot_rows is None and len(present) == 1:                         # a dense slice, or one expert: no scatter
+        y = units[present[0]](hidden)
+        return y if weights is None else y * weights.to(y.dtype)[:, None]
+    rows_of = slot_rows if slot_rows is not None else torch.arange(unit_ids.numel())
+    out = torch.zeros_like(hidden)                                      # [U, D]
+    for u in present:
+        sel = (unit_ids == u).nonzero()[:, 0]                           # [S_u]
+        rows = rows_of[sel]
+        y = units[u](hidden[rows])                                      # [S_u, D]
+        if weights is not None:
+            y = y * weights[sel].to(y.dtype)[:, None]
+        out.index_add_(0, rows, y)
+    return out
+
+
+def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], bool], num_slices: int,
+               progress: bool = False) -> dict[Unit, FfnUnit]:
+    """Streams the checkpoint tensor by tensor (a GGUF is dequantised whole) and keeps the units `wanted(layer, unit,
+    dense)` accepts; dense FFNs are cut into `num_slices` slices."""
+    parts: dict[Unit, dict[str, torch.Tensor]] = defaultdict(dict)
+    for name, w in iter_weights(path, cfg, progress):
+        if m := _EXPERT.fullmatch(name):
+            layer, expert, proj, kind = int(m[1]), int(m[2]), m[3], m[4]
+            if proj in _PART and wanted(layer, expert, False):
+                parts[(layer, expert)][f"{_PART[proj]}.{kind}"] = w
+        elif m := _DENSE.fullmatch(name):
+            layer, part, kind = int(m[1]), _PART[m[2]], m[3]
+            for s in range(num_slices):
+                if not wanted(layer, s, True):
+                    continue
+                lo, hi = dense_slice(w.shape[-1] if part == "down" and kind == "weight" else w.shape[0], s, num_slices)
+                if part == "down":
+                    if kind == "bias" and s > 0:
+                        continue
+                    piece = w if kind == "bias" else w[:, lo:hi]                # [D, i]
+                else:
+                    piece = w[lo:hi]                                            # [i, D] or [i]
+                parts[(layer, s)][f"{part}.{kind}"] = piece.clone()             # let the whole tensor go
+    units = {}
+    for unit, p in parts.items():
+        missing = {"gate.weight", "up.weight", "down.weight"} - p.keys()
+        if missing:
+            raise ValueError(f"checkpoint {path}: layer {unit[0]} unit {unit[1]} lacks {sorted(missing)}")
+        bias = torch.cat([p["gate.bias"], p["up.bias"]]) if "gate.bias" in p else None
+        units[unit] = FfnUnit(torch.cat([p["gate.weight"], p["up.weight"]]), p["down.weight"], bias,
+                              p.get("down.bias"))
+    return units
+
+
+class ExpertShard:
+    """The units one shard holds and their batched compute."""
+
+    def __init__(self, model: str | None, placement: Placement, shard_index: int, dtype: torch.dtype,
+                 device: torch.device, progress: bool = False) -> None:
+        self.path = resolve_model_path(model)
+        self.cfg = load_config(self.path)
+        if self.cfg.extra.get("quantization_config"):
+            raise ValueError(f"{self.path} is a quantised checkpoint; expert shards serve float checkpoints for now")
+        if placement.num_experts != num_routed_experts(self.cfg):
+            raise ValueError(f"the placement has {placement.num_experts} experts per layer, the model "
+                             f"{num_routed_experts(self.cfg)}")
+        self.placement, self.index, self.dtype, self.device = placement, shard_index, dtype, device
+        self.progress = progress
+        self.layers: dict[int, dict[int, FfnUnit]] = {}
+        self.dispatches = self.slots = 0
+        t0 = time.perf_counter()
+        self._add(read_units(self.path, self.cfg, lambda l, u, d: placement.holds(shard_index, l, u, d),
+                             placement.num_shards, progress))
+        if not self.layers:
+            raise ValueError(f"shard {shard_index} of {placement.num_shards} holds nothing of {self.path}: no FFN "
+                             "tensors placed on it were found in the checkpoint")
+        log.info("shard %d/%d: %d units of %d layers, %.1f MiB, read in %.1f s", shard_index, placement.num_shards,
+                 self.num_units, len(self.layers), self.weight_bytes / 2**20, time.perf_counter() - t0)
+
+    @property
+    def num_units(self) -> int:
+        return sum(len(u) for u in self.layers.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(u.nbytes for layer in self.layers.values() for u in layer.values())
+
+    def _add(self, units: dict[Unit, FfnUnit]) -> None:
+        layers = {k: dict(v) for k, v in self.layers.items()}        # readers keep the old dicts until the swap
+        for (layer, u), unit in units.items():
+            layers.setdefault(layer, {})[u] = FfnUnit(*(None if t is None else t.to(self.device, self.dtype)
+                                                        for t in (unit.gate_up, unit.down, unit.gate_up_bias,
+                                                                  unit.down_bias)))
+        self.layers = layers
+
+    def load(self, units: list[Unit]) -> int:
+        """Reads more units from the checkpoint (one more pass over it); returns how many were new."""
+        want = {u for u in units if u[1] not in self.layers.get(u[0], {})}
+        if not want:
+            return 0
+        found = read_units(self.path, self.cfg, lambda l, u, d: (l, u) in want, self.placement.num_shards,
+                           self.progress)
+        if want - found.keys():
+            raise InvalidRequest(f"the checkpoint has no FFN unit (layer, expert) {sorted(want - found.keys())[:8]}")
+        self._add(found)
+        return len(found)
+
+    @torch.inference_mode()
+    def forward(self, layer: int, hidden: torch.Tensor, unit_ids: torch.Tensor, weights: torch.Tensor | None = None,
+                slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One Dispatch: validates the slots, computes them, returns [U, D] in the caller's dtype."""
+        units = self.layers.get(layer)
+        if units is None:
+            raise InvalidRequest(f"shard {self.index} holds no unit of layer {layer}")
+        d = self.cfg.hidden_size
+        if hidden.dim() != 2 or hidden.shape[1] != d or not hidden.is_floating_point():
+            raise InvalidRequest(f"hidden must be a float [rows, {d}] tensor, got {hidden.dtype} {list(hidden.shape)}")
+        s = unit_ids.numel()
+        if unit_ids.dim() != 1 or unit_ids.is_floating_point():
+            raise InvalidRequest("expert_ids must be a 1-D integer tensor")
+        if weights is not None and tuple(weights.shape) != (s,):
+            raise InvalidRequest(f"weights must have shape [{s}], got {list(weights.shape)}")
+        if slot_rows is None:
+            if s != hidden.shape[0]:
+                raise InvalidRequest(f"{s} slots but {hidden.shape[0]} hidden rows; send token_index")
+        elif tuple(slot_rows.shape) != (s,) or slot_rows.is_floating_point() or (
+                s and not 0 <= int(slot_rows.min()) <= int(slot_rows.max()) < hidden.shape[0]):
+            raise InvalidRequest(f"token_index must be [{s}] integers in [0, {hidden.shape[0]})")
+        unknown = set(torch.unique(unit_ids).tolist()) - units.keys()
+        if unknown:
+            raise InvalidRequest(f"shard {self.index} does not hold units {sorted(unknown)[:8]} of layer {layer}; "
+                                 "LoadExperts them first")
+        x = hidden.to(self.device, self.dtype)
+        out = ffn_forward(units, x, unit_ids.to(self.device).long(),
+                          None if weights is None else weights.to(self.device),
+                          None if slot_rows is None else slot_rows.to(self.device).long())
+        self.dispatches += 1
+        self.slots += s
+        return out.to("cpu", hidden.dtype)

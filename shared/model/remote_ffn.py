@@ -1,0 +1,330 @@
+"""The target's side of expert parallelism: every layer's FFN work sent to expert shards over batched RPC.
+
+`attach_expert_shards` swaps each dense layer's MLP for a `RemoteMLP` (calling `RemoteDense`) and each MoE block's
+backend for `RemoteExperts`, then frees the local FFN weights. Per layer per forward step, `ExpertsClient.run` groups
+the (token, unit) slots by shard (shared.model.placement), sends ONE Dispatch per shard carrying all of its slots, to all
+shards at once (sync stubs' `.future()`, so it runs on the engine thread), and sums what comes back (combine).
+
+A shard that fails (UNAVAILABLE, or its deadline passes) is avoided for `retry_after_s`; its slots go to replicas on
+other shards when every unit has one, else the step fails with PeerUnavailable (UNAVAILABLE to the client). gRPC
+channels reconnect by themselves, so a shard that comes back serves again.
+
+Shapes: T = tokens in the step, k = units per token, D = hidden, L = layers, E = units of a layer.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+from functools import partial
+
+import grpc
+import torch
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
+from torch import nn
+
+from shared import tensor_codec
+from shared.model.config import ModelConfig
+from shared.model.placement import Placement, Unit, combine, plan_dispatch, replica_table
+from shared.rpc.errors import PeerUnavailable
+from shared.rpc.server import server_options
+from upesi.v1 import experts_pb2, experts_pb2_grpc
+
+log = logging.getLogger("upesi.remote_ffn")
+
+RPCS = Counter("upesi_expert_rpcs_total", "Dispatch RPCs sent to expert shards", ["shard", "code"])
+RPC_SECONDS = Histogram("upesi_expert_rpc_seconds", "Dispatch RPC latency, send to reply", ["shard"],
+                        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
+WIRE_BYTES = Counter("upesi_expert_wire_bytes_total", "Dispatch message bytes", ["direction"])
+_FAILOVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def _pb(t: torch.Tensor) -> experts_pb2.Tensor:
+    dtype, shape, data = tensor_codec.encode(t)
+    return experts_pb2.Tensor(dtype=dtype, shape=shape, data=data)
+
+
+class ExpertsClient:
+    """Channels to the shards, the placement, dispatch / combine with fail-over, and the measured load.
+
+    `dense_layers[l]` says whether layer l is a dense FFN (split in num_shards slices) or an MoE layer."""
+
+    def __init__(self, addresses: list[str], placement: Placement, dense_layers: list[bool], timeout_s: float = 5.0,
+                 retry_after_s: float = 1.0) -> None:
+        if len(addresses) != placement.num_shards:
+            raise ValueError(f"{len(addresses)} expert shard addresses but the placement has {placement.num_shards}")
+        self.addresses, self.placement, self.dense_layers = addresses, placement, dense_layers
+        self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
+        self.channels = [grpc.insecure_channel(a, options=server_options() + _CHANNEL_OPTIONS) for a in addresses]
+        self.stubs = [experts_pb2_grpc.ExpertsStub(ch) for ch in self.channels]
+        n, layers = placement.num_shards, len(dense_layers)
+        self.num_rpcs = 0                                          # Dispatch calls sent, every shard and attempt
+        self.rpcs_per_shard = [0] * n
+        self.bytes_sent = self.bytes_received = 0
+        self.tokens = {True: torch.zeros(layers, n, dtype=torch.int64),                       # [L, N] dense slices
+                       False: torch.zeros(layers, max(placement.num_experts, 1), dtype=torch.int64)}   # [L, E]
+        self._down_until = [0.0] * n
+        self._replicas: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ok = [RPCS.labels(str(s), "OK") for s in range(n)]
+        self._seconds = [RPC_SECONDS.labels(str(s)) for s in range(n)]
+        self._sent, self._received = WIRE_BYTES.labels("sent"), WIRE_BYTES.labels("received")
+        _TOKENS.clients.add(self)
+
+    # ---------------------------------------------------------------- start-up and placement
+    def wait_ready(self, cfg: ModelConfig, timeout_s: float) -> list[experts_pb2.ShardInfoResponse]:
+        """Waits for every shard to serve and checks it serves this model with this placement."""
+        deadline = time.monotonic() + timeout_s
+        infos = []
+        for i, stub in enumerate(self.stubs):
+            try:
+                info = stub.Info(experts_pb2.ShardInfoRequest(), wait_for_ready=True,
+                                 timeout=max(1.0, deadline - time.monotonic()))
+            except grpc.RpcError as e:
+                raise PeerUnavailable(f"expert shard {i} at {self.addresses[i]} did not come up: {e.details()}") from None
+            want = (i, self.placement.num_shards, cfg.num_layers, cfg.hidden_size, self.placement.num_experts)
+            got = (info.shard_index, info.num_shards, info.num_layers, info.hidden_size, info.num_experts)
+            if got != want:
+                raise ValueError(f"expert shard at {self.addresses[i]} serves (shard, shards, layers, hidden, experts) "
+                                 f"= {got}, the target expects {want}: check --expert-shards order and the model")
+            infos.append(info)
+        return infos
+
+    def shard_info(self) -> list[experts_pb2.ShardInfoResponse]:
+        return [stub.Info(experts_pb2.ShardInfoRequest(), timeout=self.timeout_s) for stub in self.stubs]
+
+    def apply_placement(self, new: Placement, timeout_s: float = 600.0) -> dict[int, int]:
+        """Has every shard load the units `new` adds to it (LoadExperts), then switches to `new`.
+        Returns units loaded per shard. Outputs do not change: replicas hold the same weights."""
+        if (new.num_shards, new.num_experts) != (self.placement.num_shards, self.placement.num_experts):
+            raise ValueError("a new placement must keep the number of shards and experts")
+        added: dict[int, list[Unit]] = {}
+        for layer, dense in enumerate(self.dense_layers):
+            for u in range(new.num_units(dense)):
+                for s in set(new.shards(layer, u, dense)) - set(self.placement.shards(layer, u, dense)):
+                    added.setdefault(s, []).append((layer, u))
+        futures = {s: self.stubs[s].LoadExperts.future(experts_pb2.LoadExpertsRequest(
+            experts=[experts_pb2.ExpertRef(layer=l, expert=u) for l, u in units]), timeout=timeout_s)
+            for s, units in added.items()}
+        loaded = {s: f.result().loaded for s, f in futures.items()}
+        # One reference swap: a step in flight may finish on the old placement, whose units all stay loaded.
+        self.placement, self._replicas = new, {}
+        return loaded
+
+    # ---------------------------------------------------------------- one layer, one step
+    def run(self, layer: int, hidden: torch.Tensor, unit_ids: torch.Tensor, weights: torch.Tensor | None
+            ) -> torch.Tensor:
+        """hidden [T, D], unit_ids [T, k], weights [T, k] (None = 1) -> sum_j w[t, j] unit_{ids[t, j]}(hidden[t])."""
+        t = hidden.shape[0]
+        if t == 0:
+            return torch.zeros_like(hidden)
+        dense = self.dense_layers[layer]
+        x = hidden.detach().to("cpu")                                          # [T, D]
+        ids = unit_ids.to("cpu")                                               # [T, k]
+        flat_ids = ids.reshape(-1).to(torch.int32)                             # [T k]
+        flat_w = None if weights is None else weights.detach().to("cpu", torch.float32).reshape(-1)
+        if dense:
+            self.tokens[True][layer] += t
+        else:
+            self.tokens[False][layer] += torch.bincount(flat_ids, minlength=self.tokens[False].shape[1])
+        plan = plan_dispatch(ids, self._replica_table(layer, dense, self._avoid()))
+        parts, failed = self._send(layer, x, flat_ids, flat_w, plan)
+        if failed:
+            avoid = self._avoid()
+            retry = torch.cat([plan[s].slots for s in failed])
+            table = self.placement.table(layer, dense)
+            stuck = [u for u in torch.unique(flat_ids[retry].long()).tolist() if set(table[u]) <= avoid]
+            if stuck:
+                s, err = next(iter(failed.items()))
+                raise PeerUnavailable(f"expert shard {s} at {self.addresses[s]} is unavailable ({err.code().name}: "
+                                      f"{err.details()}) and layer {layer} unit {stuck[0]} has no replica") from None
+            more, failed = self._send(layer, x, flat_ids, flat_w,
+                                      plan_dispatch(ids, self._replica_table(layer, dense, avoid), retry))
+            if failed:
+                s, err = next(iter(failed.items()))
+                raise PeerUnavailable(f"expert shards {sorted(failed)} are unavailable: {err.details()}") from None
+            parts += more
+        return combine(t, parts).to(hidden.device)
+
+    def _send(self, layer: int, x: torch.Tensor, flat_ids: torch.Tensor, flat_w: torch.Tensor | None, plan
+              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[int, grpc.RpcError]]:
+        calls = []
+        for s, ss in plan.items():                                             # all shards at once
+            whole = ss.rows.numel() == x.shape[0]
+            req = experts_pb2.DispatchRequest(
+                layer=layer, hidden=_pb(x if whole else x[ss.rows]), expert_ids=_pb(flat_ids[ss.slots]),
+                weights=None if flat_w is None else _pb(flat_w[ss.slots]),
+                token_index=None if ss.one_row_per_slot else _pb(ss.slot_rows.to(torch.int32)))
+            fut = self.stubs[s].Dispatch.future(req, timeout=self.timeout_s)
+            fut.add_done_callback(partial(_observe, self._seconds[s], time.perf_counter()))
+            self.num_rpcs += 1
+            self.rpcs_per_shard[s] += 1
+            size = req.ByteSize()
+            self.bytes_sent += size
+            self._sent.inc(size)
+            calls.append((s, ss, fut))
+        parts, failed = [], {}
+        for s, ss, fut in calls:
+            try:
+                resp = fut.result()
+            except grpc.RpcError as e:
+                RPCS.labels(str(s), e.code().name).inc()
+                if e.code() not in _FAILOVER:
+                    raise PeerUnavailable(f"expert shard {s} at {self.addresses[s]} failed layer {layer}: "
+                                          f"{e.code().name}: {e.details()}") from None
+                log.warning("expert shard %d at %s: %s; avoiding it for %.1f s", s, self.addresses[s],
+                            e.code().name, self.retry_after_s)
+                self._down_until[s] = time.monotonic() + self.retry_after_s
+                failed[s] = e
+                continue
+            self._ok[s].inc()
+            size = resp.ByteSize()
+            self.bytes_received += size
+            self._received.inc(size)
+            o = resp.output
+            parts.append((ss.rows, tensor_codec.decode(o.dtype, list(o.shape), o.data)))
+        return parts, failed
+
+    def _avoid(self) -> frozenset[int]:
+        now = time.monotonic()
+        return frozenset(s for s, until in enumerate(self._down_until) if until > now)
+
+    def _replica_table(self, layer: int, dense: bool, avoid: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.placement
+        key = (layer if layer in p.layers else -1, dense, avoid)
+        table = self._replicas.get(key)
+        if table is None:
+            table = self._replicas[key] = replica_table(p.table(layer, dense), avoid)
+        return table
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+
+
+def _observe(hist, t0: float, fut) -> None:
+    hist.observe(time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- the backends the model calls
+class RemoteDense:
+    """DenseBackend over the shards: each shard computes its slice of the layer's FFN; the slices sum to it."""
+
+    def __init__(self, client: ExpertsClient) -> None:
+        self.client = client
+        self.slices = torch.arange(client.placement.num_shards)
+
+    def dense(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        ids = self.slices.expand(hidden.shape[0], -1)                          # [T, N]: every token, every slice
+        return self.client.run(layer, hidden, ids, None)
+
+
+class RemoteExperts(nn.Module):
+    """ExpertBackend over the shards (a Module so it can take the place of a module-valued backend)."""
+
+    def __init__(self, client: ExpertsClient) -> None:
+        super().__init__()
+        self.client = client
+
+    def moe(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+            ) -> torch.Tensor:
+        return self.client.run(layer, hidden, topk_ids, topk_weights)
+
+
+class RemoteMLP(nn.Module):
+    """Stands in for a dense layer's MLP; its weights live on the expert shards."""
+
+    def __init__(self, layer: int, backend: RemoteDense) -> None:
+        super().__init__()
+        self.layer, self.backend = layer, backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.dense(self.layer, x)                               # [T, D]
+
+
+def ffn_kinds(model: nn.Module) -> list[bool | None]:
+    """Per decoder layer: True = a dense SwiGLU MLP, False = an MoE block (it has a `backend`), None = neither."""
+    kinds: list[bool | None] = []
+    for layer in model.layers:
+        mlp = layer.mlp
+        kinds.append(False if hasattr(mlp, "backend") else
+                     True if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj") else None)
+    return kinds
+
+
+def attach_expert_shards(model: nn.Module, client: ExpertsClient) -> int:
+    """Routes every layer's FFN through `client` and frees the local FFN weights; returns the bytes freed."""
+    dense = RemoteDense(client)
+    experts = RemoteExperts(client)
+    freed = 0
+    for i, (layer, kind) in enumerate(zip(model.layers, ffn_kinds(model))):
+        if kind is None:
+            raise ValueError(f"layer {i}: {type(layer.mlp).__name__} is neither a dense MLP nor an MoE block")
+        if kind:
+            old, layer.mlp = layer.mlp, RemoteMLP(i, dense)
+            freed += _free(old, keep=())
+        else:
+            old, layer.mlp.backend = layer.mlp.backend, experts
+            freed += _free(old, keep=(layer, layer.mlp))
+    return freed
+
+
+def _tensors(obj, keep: tuple) -> Iterator[torch.Tensor]:
+    """The weights an FFN module or backend holds (not those of `keep`, the modules it sits in)."""
+    if isinstance(obj, nn.Module):
+        if not any(obj is k for k in keep):
+            yield from obj.parameters()
+            yield from obj.buffers()
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, keep)
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        names = list(getattr(obj, "__dict__", {})) + list(getattr(obj, "__slots__", ()))
+        for name in names:
+            v = getattr(obj, name, None)
+            if isinstance(v, (nn.Module, torch.Tensor, list, tuple)):
+                yield from _tensors(v, keep)
+
+
+def _free(obj, keep: tuple) -> int:
+    seen, freed = set(), 0
+    for t in _tensors(obj, keep):
+        if id(t) in seen or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        freed += t.numel() * t.element_size()
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return freed
+
+
+class _ExpertTokens:
+    """Exports `upesi_expert_tokens_total{layer, expert}` from the clients' load tables at scrape time, so the hot
+    path only adds to a tensor. Dense layers count each FFN slice as an expert."""
+
+    def __init__(self) -> None:
+        self.clients: weakref.WeakSet[ExpertsClient] = weakref.WeakSet()
+
+    def describe(self) -> list:
+        return [CounterMetricFamily("upesi_expert_tokens", "Tokens routed to each expert (dense layers: FFN slices)",
+                                    labels=["layer", "expert"])]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = self.describe()[0]
+        totals: dict[tuple[str, str], float] = {}
+        for c in list(self.clients):
+            for table in c.tokens.values():
+                for layer, unit in table.nonzero().tolist():
+                    key = (str(layer), str(unit))
+                    totals[key] = totals.get(key, 0.0) + float(table[layer, unit])
+        for key, value in sorted(totals.items()):
+            fam.add_metric(list(key), value)
+        yield fam
+
+
+_TOKENS = _ExpertTokens()
+REGISTRY.register(_TOKENS)

@@ -1,0 +1,238 @@
+"""`upesi quantize`: a GGUF or Hugging Face checkpoint -> a compressed-tensors NVFP4 Hugging Face folder.
+
+    out/config.json          the source's config (synthesised for a GGUF) + quantization_config
+    out/model.safetensors    NVFP4 layers: weight_packed, weight_scale, weight_global_scale (+ input_global_scale
+                             for W4A4); FP8 layers: weight (e4m3), weight_scale; bf16 / fp32 layers: weight;
+                             norms and biases fp32
+    out/tokenizer*, chat_template.jinja, generation_config.json    when the source has them
+
+The weights stream through one tensor at a time (shared.model.loader.iter_weights), so the peak is the output
+plus one dense tensor. Calibration (the auto policy, W4A4 input scales) loads the source a second time in the
+engine to capture activations.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from shared.model.config import ModelConfig
+from shared.model.loader import is_gguf, iter_weights, load_config, resolve_model_path
+from shared.quant.checkpoint import CT_FORMAT, compressed_tensors_config, to_compressed_tensors
+from shared.quant.model_quant import hf_name, linear_units
+from shared.quant.nvfp4 import NVFP4Weight, global_scale_from_amax
+from shared.quant.nvfp4_module import fp8_quantise
+from shared.quant import policy as pol
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+FP8_GROUP = {"targets": [], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                                        "dynamic": False}, "input_activations": None, "output_activations": None,
+             "format": "float-quantized"}
+
+
+@dataclass(slots=True)
+class QuantizeResult:
+    out: str
+    unit_precisions: dict[str, pol.Precision]       # our linear modules (qkv_proj, ...) -> precision
+    layer_precisions: dict[str, pol.Precision]      # checkpoint layers (q_proj, ..., embed_tokens) -> precision
+    weight_bytes: int                               # bytes of every tensor written
+    num_params: int
+    seconds: float
+    sensitivity: dict[str, pol.Sensitivity] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def report(self) -> str:
+        counts = {p: sum(1 for v in self.unit_precisions.values() if v == p) for p in pol.PRECISIONS}
+        lines = [pol.sensitivity_table(self.sensitivity, self.unit_precisions)] if self.sensitivity else []
+        lines += [f"  {p:<6} {n} linear units" for p, n in counts.items() if n]
+        kept = sorted(u for u, p in self.unit_precisions.items() if p != "nvfp4")
+        if kept and not self.sensitivity:
+            lines.append("  not NVFP4: " + ", ".join(f"{u} ({self.unit_precisions[u]})" for u in kept))
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"wrote {self.out}: {self.weight_bytes / 1e6:.1f} MB of weights, "
+                     f"{8 * self.weight_bytes / self.num_params:.2f} bits/param, {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def quantize(src: str | None, out: str, policy: str | None = None, memory_budget: str | int | None = None,
+             keep: pol.Precision = "bf16", act_quant: bool = False, calibration: str | list[int] | None = None,
+             progress: bool = True) -> QuantizeResult:
+    """Writes the NVFP4 checkpoint of `src` (None = the default GGUF) to the folder `out`.
+
+    policy: None (defaults: linears NVFP4, lm_head and embeddings bf16), a JSON/YAML rule file, or "auto" with
+    memory_budget (bytes or "120MB"): the most sensitive units are kept in `keep` precision while they fit.
+    act_quant: also calibrate input_global_scale and write a W4A4 (NVFP4) config instead of NVFP4A16.
+    calibration: text or token ids for the auto policy / act_quant (default: a built-in held-out text,
+    tokenised with the source's tokenizer). Raises PolicyError for a policy or budget that cannot be used.
+    """
+    t0 = time.perf_counter()
+    src = resolve_model_path(src)
+    cfg = load_config(src)
+    if cfg.extra.get("quantization_config"):
+        raise pol.PolicyError(f"{src} is already quantised; quantize its full-precision original")
+    if (memory_budget is not None) != (policy == "auto"):
+        raise pol.PolicyError("--memory-budget goes with --policy auto, and --policy auto needs a --memory-budget")
+    units = _units(cfg)                                          # unit -> (checkpoint names, rows, in features)
+    rules = pol.DEFAULT_RULES + (pol.load_rules(policy) if policy not in (None, "auto") else [])
+    chosen, notes = pol.resolve({u: v[0] for u, v in units.items()}, rules)
+
+    calibrate = policy == "auto" or act_quant
+    text = calibrate and not isinstance(calibration, list)
+    tokenizer = _tokenizer(src) if is_gguf(src) or text else None
+    found: dict[str, pol.Sensitivity] = {}
+    quantised: dict[str, NVFP4Weight] = {}
+    weights = None
+    if calibrate:
+        ids = calibration if isinstance(calibration, list) else tokenizer.encode(calibration or pol.CALIBRATION_TEXT)
+        targets = {u: v[:2] for u, v in units.items() if chosen[u] == "nvfp4"}
+        found, quantised, model = pol.measure(src, targets, ids, act_quant)
+        weights = _model_weights(model, units)          # the loaded model, not a second read of the checkpoint
+    if policy == "auto":
+        budget, base = pol.parse_size(memory_budget), _weight_bytes(cfg, units, chosen, rules, act_quant)
+        if budget < base:
+            raise pol.PolicyError(f"memory budget {budget / 1e6:.1f} MB is below the all-NVFP4 size "
+                                  f"{base / 1e6:.1f} MB; raise it")
+        if keep not in ("fp8", "bf16", "fp32"):
+            raise pol.PolicyError(f"the auto policy keeps sensitive layers in fp8, bf16 or fp32, not {keep!r}")
+        for u in pol.choose(found, budget - base, keep, act_quant):
+            chosen[u] = keep
+        notes.append(f"budget {budget / 1e6:.1f} MB, all-NVFP4 {base / 1e6:.1f} MB, "
+                     f"chosen {_weight_bytes(cfg, units, chosen, rules, act_quant) / 1e6:.1f} MB")
+
+    layers = {n: chosen[u] for u, (names, _, _) in units.items() for n in names}
+    layers[pol.EMBEDDINGS] = pol.precision_of(pol.EMBEDDINGS, rules)
+    amax = {n: found[u].input_amax for u, (names, _, _) in units.items() for n in names if u in found}
+    weights = weights if weights is not None else iter_weights(src, cfg, progress=False)
+    tensors = _convert(weights, cfg, layers, amax if act_quant else {}, quantised, progress)
+
+    os.makedirs(out, exist_ok=True)
+    from safetensors.torch import save_file
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    _write_config(src, cfg, out, layers, act_quant)
+    _copy_tokenizer(src, out, tokenizer)
+    return QuantizeResult(out, chosen, layers, sum(t.nbytes for t in tensors.values()), _num_params(tensors),
+                          time.perf_counter() - t0, found, notes)
+
+
+def _num_params(tensors: dict[str, torch.Tensor]) -> int:
+    """Parameters the tensors stand for: two per packed NVFP4 byte; scales are not parameters."""
+    scales = ("weight_scale", "weight_global_scale", "input_global_scale")
+    return sum(2 * t.numel() if n.endswith("weight_packed") else t.numel()
+               for n, t in tensors.items() if not n.endswith(scales))
+
+
+def _units(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], int]]:
+    """Our model's linear units, from the architecture built on the meta device (no memory, no weights)."""
+    from shared.model.registry import ARCHITECTURES
+    with torch.device("meta"):
+        model = ARCHITECTURES[cfg.architecture](cfg, 16)
+    return {u.name: (u.hf_names, u.segments, u.in_features) for u in linear_units(model)}
+
+
+def _weight_bytes(cfg: ModelConfig, units: dict, chosen: dict[str, pol.Precision], rules, act_quant: bool) -> int:
+    total = sum(pol.bytes_per_layer(chosen[u], r, k, act_quant) for u, (_, rows, k) in units.items() for r in rows)
+    embed = pol.bytes_per_layer(pol.precision_of(pol.EMBEDDINGS, rules), cfg.vocab_size, cfg.hidden_size)
+    norms = 4 * cfg.hidden_size * (2 * cfg.num_layers + 1)
+    return total + embed + norms
+
+
+def _tokenizer(src: str):
+    """The source's tokenizer (shared.tokenizer.Tokenizer), loaded once: calibration text and the GGUF export."""
+    from shared.tokenizer import Tokenizer
+    try:
+        return Tokenizer(src)
+    except (OSError, ValueError) as e:
+        raise pol.PolicyError(f"{src} has no tokenizer to encode the calibration text ({e}); pass token ids") from e
+
+
+def _model_weights(model: torch.nn.Module, units: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """A loaded model's tensors under their checkpoint names: fused units split back into their layers."""
+    for unit, (names, segments, _) in units.items():
+        module = model.get_submodule(unit)
+        for leaf in ("weight", "bias"):
+            if getattr(module, leaf, None) is not None:
+                for name, t in zip(names, torch.split(getattr(module, leaf).detach(), list(segments))):
+                    yield f"{name}.{leaf}", t
+    for name, p in model.named_parameters():                  # a tied head is the embeddings' duplicate: skipped
+        if name.rpartition(".")[0] not in units:
+            yield hf_name(name), p.detach()
+
+
+def _convert(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, layers: dict[str, pol.Precision],
+             amax: dict[str, float], quantised: dict[str, NVFP4Weight], progress: bool) -> dict[str, torch.Tensor]:
+    """Converts each checkpoint-named tensor to its precision (reusing the NVFP4 weights calibration made)."""
+    out: dict[str, torch.Tensor] = {}
+    total = 9 * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)   # Llama family: a guess for the bar
+    for name, w in tqdm(weights, desc="Quantising", total=total, unit="tensor", disable=not progress):
+        w = w.cpu()
+        prefix, _, leaf = name.rpartition(".")
+        if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        precision = layers.get(prefix) if leaf == "weight" else None
+        if precision == "nvfp4":
+            igs = global_scale_from_amax(amax[prefix]) if prefix in amax else None
+            out.update({k: v.cpu() for k, v in to_compressed_tensors(prefix, quantised.pop(prefix, w), igs).items()})
+        elif precision == "fp8":
+            out[name], out[f"{prefix}.weight_scale"] = fp8_quantise(w)
+        elif precision is not None:
+            out[name] = w.to(torch.bfloat16 if precision == "bf16" else torch.float32).contiguous()
+        else:                                                     # norms and biases: tiny, kept in fp32
+            out[name] = w.float().contiguous()
+    return out
+
+
+def quantization_config(layers: dict[str, pol.Precision], act_quant: bool) -> dict | None:
+    """The compressed-tensors quantization_config describing these layer precisions (None: nothing quantised)."""
+    linear = {n: p for n, p in layers.items() if n != pol.EMBEDDINGS}
+    nvfp4 = sorted(n for n, p in linear.items() if p == "nvfp4")
+    fp8 = sorted(n for n, p in linear.items() if p == "fp8")
+    dense = sorted({n for n, p in linear.items() if p in ("bf16", "fp32")} | ({"lm_head"} - set(linear)))
+    if not nvfp4 and not fp8:
+        return None
+    qc = compressed_tensors_config(act_quant, targets=("Linear",) if not fp8 else tuple(nvfp4), ignore=tuple(dense))
+    if fp8:
+        qc["config_groups"]["group_1"] = {**FP8_GROUP, "targets": fp8}
+        if not nvfp4:
+            del qc["config_groups"]["group_0"]
+        qc["format"] = "mixed-precision" if nvfp4 else "float-quantized"
+    else:
+        qc["format"] = CT_FORMAT
+    return qc
+
+
+def _write_config(src: str, cfg: ModelConfig, out: str, layers: dict[str, pol.Precision], act_quant: bool) -> None:
+    if is_gguf(src):
+        hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+              "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+              "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+              "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+              "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+              "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias, "bos_token_id": cfg.bos_token_id,
+              "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids or None,
+              "hidden_act": "silu", "dtype": "bfloat16"}
+    else:
+        hf = json.loads(Path(src, "config.json").read_text())
+    qc = quantization_config(layers, act_quant)
+    if qc is not None:
+        hf["quantization_config"] = qc
+    Path(out, "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+def _copy_tokenizer(src: str, out: str, tokenizer) -> None:
+    """The tokenizer and chat template, so the folder is self-contained (a GGUF's come from its metadata)."""
+    if is_gguf(src):
+        tokenizer.hf.save_pretrained(out)
+        return
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(out, name))

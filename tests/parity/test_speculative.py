@@ -1,0 +1,153 @@
+"""Speculative decoding keeps the target's outputs: greedy equality for every proposer and K, and the exact
+sampling distribution (chi-square over 20,000 seeded runs) with a deliberately different draft."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from tests.parity.test_tiny_llama import save_tiny
+
+PROMPTS = [torch.randint(1, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (5, 17, 30, 9, 12, 40, 3, 22)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-spec")
+    save_tiny(path, None)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(tiny):
+    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4))
+    return [o[0] for o in eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("proposer", ["ngram", "draft-model"])
+def test_greedy_speculative_equals_greedy(tiny, greedy_ref, proposer, k):
+    spec = proposer if proposer == "ngram" else f"draft-model:{tiny}"
+    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
+                                 num_speculative_tokens=k))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == greedy_ref                 # batch 8
+    assert eng.generate(PROMPTS[:1], params)[0][0] == greedy_ref[0]                    # batch 1
+    seqs_done = eng.block_manager.num_used_blocks
+    assert seqs_done == 0
+    if proposer == "draft-model":
+        assert eng.proposer.blocks.num_used_blocks == 0 and not eng.proposer.mirrors
+
+
+def test_speculation_is_used_and_counted(tiny):
+    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
+                                 speculative=f"draft-model:{tiny}", num_speculative_tokens=3))
+    eng.add_request("r", PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    last = None
+    while eng.has_unfinished():
+        for d in eng.step():
+            last = d
+    assert last.num_draft_tokens > 10
+    assert last.num_accepted_tokens == last.num_draft_tokens    # the draft is the target itself: all accepted
+
+
+def test_request_can_turn_speculation_off(tiny, greedy_ref):
+    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative="ngram"))
+    eng.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                    num_speculative_tokens=0))
+    out, last = [], None
+    while eng.has_unfinished():
+        for d in eng.step():
+            out += d.token_ids
+            last = d
+    assert out == greedy_ref[0] and last.num_draft_tokens == 0
+
+
+# ---------------------------------------------------------------- distribution exactness
+V = 16
+
+
+def save_small(path, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)                  # a peaked but not degenerate distribution
+    model.save_pretrained(path)
+    return model
+
+
+def marginals(model, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    """Exact distribution of each of the first `steps` sampled tokens at temperature 1 (by enumeration)."""
+    out, prefixes, weights = [], [prompt], torch.ones(1, dtype=torch.float64)
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(torch.tensor(prefixes)).logits[:, -1].double()
+            cond = logits.softmax(-1)                                         # [P, V]
+            joint = weights[:, None] * cond                                   # [P, V]
+            out.append(joint.sum(0))
+            prefixes = [p + [t] for p in prefixes for t in range(V)]
+            weights = joint.flatten()
+    return out
+
+
+def spec_accept_rate(eng: LLMEngine) -> float:
+    return eng.stats_accepted / max(1, eng.stats_draft)
+
+
+def empirical(eng: LLMEngine, prompt: list[int], runs: int, steps: int) -> torch.Tensor:
+    counts = torch.zeros(steps, V, dtype=torch.float64)
+    for start in range(0, runs, 2500):
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=steps + 1, ignore_eos=True)
+                  for s in range(start, min(runs, start + 2500))]
+        for (toks,) in eng.generate([prompt] * len(params), params):
+            for i in range(steps):
+                counts[i, toks[i]] += 1
+    return counts
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit; p = Q(dof / 2, stat / 2) (regularised upper incomplete gamma)."""
+    keep = probs > 1e-9
+    if (counts[~keep] > 0).any():
+        return 0.0                                    # a token the target can never produce was produced
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    dof = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one thread avoids OpenMP hand-offs that dominate on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_distribution_matches_target_and_not_the_draft(tmp_path, one_thread):
+    target = save_small(tmp_path / "target", 0)
+    draft = save_small(tmp_path / "draft", 1)
+    prompt = [3, 7, 1]
+    exact = marginals(target, prompt, 3)
+    big = dict(progress=False, num_kv_blocks=12000, block_size=4, max_num_seqs=2500, max_num_batched_tokens=16384)
+    spec = LLMEngine(EngineConfig(model=str(tmp_path / "target"), speculative=f"draft-model:{tmp_path / 'draft'}",
+                                  num_speculative_tokens=3, draft_kv_blocks=12000, **big))
+    counts = empirical(spec, prompt, 20000, 3)
+    pvals = [chi2_pvalue(counts[i], exact[i]) for i in range(3)]
+    print("speculative p-values", pvals)
+    assert all(p > 0.001 for p in pvals)
+    assert 0 < spec_accept_rate(spec) < 1
+    alone = LLMEngine(EngineConfig(model=str(tmp_path / "draft"), **big))
+    draft_counts = empirical(alone, prompt, 20000, 3)
+    draft_pvals = [chi2_pvalue(draft_counts[i], exact[i]) for i in range(3)]
+    print("draft-alone p-values", draft_pvals)
+    assert all(p < 0.001 for p in draft_pvals)
+    assert spec.block_manager.num_used_blocks == 0 and spec.proposer.blocks.num_used_blocks == 0
