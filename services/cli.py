@@ -13,16 +13,9 @@ DESCRIPTION = """Upesi: LLM inference as gRPC microservices.
 Every flag also reads an UPESI_* environment variable (e.g. --max-num-seqs <- UPESI_MAX_NUM_SEQS)."""
 
 
-def _not_yet(name: str, issue: str):
-    def run(args: argparse.Namespace) -> None:
-        print(f"upesi {name}: this service is not available yet ({issue}); the router calls the target directly.",
-              file=sys.stderr)
-        sys.exit(2)
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     from services import launcher
+    from services.draft import main as draft
     from services.experts import main as experts
     from services.router import main as router
     from services.target import main as target
@@ -45,9 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("router", "run the router: public gRPC API (and HTTP /health, /metrics)", router)
     add("target", "run a target: model, paged KV cache, continuous batching", target)
     add("experts", "run an expert shard: the FFN weights placed on it, stateless batched compute", experts)
-    for name, issue in (("draft", "speculative decoding lands with its own issue"),):
-        sp = sub.add_parser(name, help=f"run a {name} service (not available yet)")
-        sp.set_defaults(func=_not_yet(name, issue))
+    add("draft", "run a draft service: speculative proposals (n-gram or a small draft model) for targets", draft)
     return p
 
 

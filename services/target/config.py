@@ -25,6 +25,7 @@ class TargetConfig:
     enable_prefix_caching: bool = option(True, "reuse computed KV blocks across requests with a common prefix")
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = option(3, "default K, the draft tokens verified per step")
+    draft: str | None = option(None, "address of a draft service to take proposals from (instead of --speculative)")
     registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (default: none)")
     replica_id: str | None = option(None, "this replica's name in the registry (default: its address)")
     expert_shards: str | None = option(None, "expert shard addresses, comma-separated in shard order: every layer's "

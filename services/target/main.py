@@ -86,6 +86,9 @@ async def serve(cfg: TargetConfig) -> None:
     from upesi.v1 import target_pb2_grpc
 
     engine = LLMEngine(cfg.engine_config())
+    if cfg.draft:                                   # proposals from a draft service, one batched call per step
+        from services.target.remote_proposer import RemoteProposer
+        engine.proposer = RemoteProposer(cfg.draft)
     experts = _attach_expert_shards(cfg, engine)
     metrics.KV_BLOCKS_TOTAL.set(engine.block_manager.num_blocks)
     publisher = _publisher(cfg)

@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Forward-step time with the FFNs on expert shards (one batched RPC per shard per layer) against in-process, on the
+default model, and the bytes that cross the wire.
+
+    .venv/bin/python bench/bench_experts.py [--shards 2] [--batch 1 8 32] [--steps 16] [--shard-threads 1]
+
+Napkin maths: a dense layer split over N shards sends every shard the step's hidden states and gets a partial sum
+back, so each token costs 2 * N * D * 4 bytes per layer in fp32 (D = 576: 9,216 bytes for N = 2), plus a few bytes of
+slot ids. Step time adds N concurrent round trips per layer (30 layers): on one machine the RPC latency, not the
+bytes, is the price.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_generate import PROMPTS  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def decode_step_times(eng, prompts: list[list[int]], steps: int) -> list[float]:
+    """Seconds of each of `steps` decode steps of a batch of len(prompts) sequences (after their prefill)."""
+    from shared.engine.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, params)
+    while any(s.num_output_tokens == 0 for rid in ids for s in eng.requests[rid]):
+        eng.step()                                                   # prefill (maybe chunked)
+    times = []
+    for _ in range(steps):
+        eng.step()
+        times.append(eng.last_step_s)
+    for rid in ids:
+        eng.abort(rid)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the in-process engine (the target)")
+    ap.add_argument("--shard-threads", type=int, default=1, help="torch threads of each shard")
+    a = ap.parse_args()
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.model.placement import Placement
+    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.tokenizer import Tokenizer
+
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(a.shards)]
+    shards = [subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "experts",
+                                "--address", addr, "--shard-index", str(i), "--num-shards", str(a.shards),
+                                "--num-threads", str(a.shard_threads)], cwd=ROOT)
+              for i, addr in enumerate(addresses)]
+    try:
+        eng = LLMEngine(EngineConfig(progress=False, num_threads=a.threads, enable_prefix_caching=False,
+                                     kv_cache_gb=0.5))
+        tok = Tokenizer(eng.model_path)
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+        cfg = eng.model_cfg
+        decode_step_times(eng, ids[:1], 2)                           # warm-up
+        local = {b: statistics.median(decode_step_times(eng, (ids * b)[:b], a.steps)) for b in a.batch}
+
+        model = eng.runner.model
+        client = ExpertsClient(addresses, Placement(a.shards), [bool(k) for k in ffn_kinds(model)])
+        client.wait_ready(cfg, timeout_s=600)
+        attach_expert_shards(model, client)
+        decode_step_times(eng, ids[:1], 2)                           # warm-up: connections, shard allocators
+        out = {}
+        for b in a.batch:
+            remote = statistics.median(decode_step_times(eng, (ids * b)[:b], a.steps))
+            out[f"batch_{b}"] = {"in_process_ms": round(local[b] * 1e3, 2), "distributed_ms": round(remote * 1e3, 2),
+                                 "slowdown": round(remote / local[b], 2),
+                                 "overhead_per_layer_ms": round((remote - local[b]) / cfg.num_layers * 1e3, 3)}
+            print(f"batch {b:3d}: in-process {local[b] * 1e3:8.2f} ms/step   {a.shards} shards {remote * 1e3:8.2f} "
+                  f"ms/step   (x{remote / local[b]:.2f}, +{(remote - local[b]) / cfg.num_layers * 1e3:.3f} ms/layer)",
+                  flush=True)
+        tokens = client.tokens[True][0, 0].item()                      # tokens through layer 0 (prefills included)
+        per_token_layer = (client.bytes_sent + client.bytes_received) / tokens / cfg.num_layers
+        napkin = 2 * a.shards * cfg.hidden_size * 4
+        print(f"wire: {per_token_layer:,.0f} bytes per token per layer (napkin {napkin:,}: 2 x {a.shards} shards x "
+              f"{cfg.hidden_size} x 4 B); {client.num_rpcs} RPCs, {a.shards} per layer per step")
+        print(json.dumps({"experts_step": out, "shards": a.shards, "wire_bytes_per_token_layer": round(per_token_layer),
+                          "napkin_bytes_per_token_layer": napkin, "threads": a.threads,
+                          "shard_threads": a.shard_threads}))
+        client.close()
+    finally:
+        for p in shards:
+            p.send_signal(signal.SIGTERM)
+        for p in shards:
+            p.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

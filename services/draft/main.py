@@ -1,0 +1,39 @@
+"""`upesi draft`: proposes speculative tokens for target replicas (n-gram lookup or a small draft model)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.draft.config import DraftConfig
+from shared.config import add_config_arguments, config_from_args
+from shared.rpc.server import Service, run_server
+
+log = logging.getLogger("upesi.draft")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, DraftConfig)
+
+
+async def serve(cfg: DraftConfig) -> None:
+    import torch
+
+    from services.draft.proposer_service import DraftState
+    from services.draft.servicer import DraftServicer
+    from shared.engine.config import EngineConfig
+    from shared.engine.proposers import make_proposer
+    from upesi.v1 import draft_pb2_grpc
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    ec = EngineConfig(device=cfg.device)
+    proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, ec.torch_dtype(), ec.torch_device(),
+                             cfg.max_model_len)
+    service = Service("upesi.v1.Draft", DraftServicer(DraftState(proposer)), draft_pb2_grpc.add_DraftServicer_to_server)
+    log.info("draft proposer %s", cfg.proposer)
+    await run_server(cfg.address, [service])
+
+
+def main(args: argparse.Namespace) -> None:
+    asyncio.run(serve(config_from_args(DraftConfig, args)))

@@ -1,0 +1,44 @@
+"""The draft's state without protobuf: mirrors of the target's sequences and a local proposer."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.proposers import Proposal, Proposer
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SeqDelta:
+    key: str
+    base: int
+    tokens: list[int]
+    k: int
+    params: SamplingParams
+
+
+class DraftState:
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        self.seqs: dict[str, Sequence] = {}
+        self.lock = threading.Lock()                 # one proposer, one batch at a time
+
+    def propose(self, deltas: list[SeqDelta], released: list[str]) -> list[Proposal]:
+        with self.lock:
+            for key in released:
+                seq = self.seqs.pop(key, None)
+                if seq is not None:
+                    self.proposer.release(seq.seq_id)
+            seqs = []
+            for d in deltas:
+                seq = self.seqs.get(d.key)
+                if seq is None:
+                    seq = self.seqs[d.key] = Sequence(d.key, 0, [], d.params)
+                    seq.num_prompt_tokens = 0
+                seq.token_ids = seq.token_ids[:d.base] + d.tokens
+                seqs.append(seq)
+            with torch.inference_mode():
+                return self.proposer.propose(seqs, [d.k for d in deltas])

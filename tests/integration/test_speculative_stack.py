@@ -1,0 +1,95 @@
+"""Speculative decoding across processes: router -> target, which takes proposals from a draft service.
+
+Greedy output equals transformers' (and so non-speculative) output; speculation is used and counted; if the draft
+dies mid-request the request finishes without speculation and without an error; no KV block leaks.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from tests.conftest import CHAT_PROMPTS, GREEDY_TOKENS, ROOT, free_port
+from upesi.v1 import generation_pb2 as pb
+from upesi.v1 import generation_pb2_grpc, target_pb2, target_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+def spawn(args: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def wait_healthy(address: str, timeout_s: float = 300) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        while time.monotonic() < deadline:
+            try:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(address)
+
+
+@pytest.fixture(scope="module")
+def spec_stack(tmp_path_factory):
+    log = open(tmp_path_factory.mktemp("spec") / "stack.log", "w")
+    draft, target, router = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    metrics = free_port()
+    procs = {"draft": spawn(["draft", "--address", draft, "--proposer", "ngram"], log)}
+    procs["target"] = spawn(["target", "--address", target, "--draft", draft, "--num-speculative-tokens", "4",
+                             "--metrics-port", str(metrics), "--kv-cache-gb", "0.25"], log)
+    procs["router"] = spawn(["router", "--address", router, "--target", target, "--http-port", "0"], log)
+    try:
+        wait_healthy(router)
+        yield {"router": router, "target": target, "draft": draft, "metrics": metrics, "procs": procs}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            p.wait(30)
+
+
+def chat(text: str, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], **kw)
+
+
+def test_greedy_speculative_equals_transformers(spec_stack, hf_greedy):
+    with grpc.insecure_channel(spec_stack["router"]) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        drafted = 0
+        for prompt, ref in zip(CHAT_PROMPTS, hf_greedy):
+            r = stub.Generate(chat(prompt, max_tokens=GREEDY_TOKENS, temperature=0), timeout=120)
+            assert list(r.choices[0].token_ids) == ref
+            drafted += r.spec.draft_tokens
+            assert r.spec.accepted_tokens <= r.spec.draft_tokens
+        assert drafted > 0
+        off = stub.Generate(chat(CHAT_PROMPTS[0], max_tokens=16, temperature=0, num_speculative_tokens=0), timeout=60)
+        assert off.spec.draft_tokens == 0 and list(off.choices[0].token_ids) == hf_greedy[0][:16]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{spec_stack['metrics']}/metrics").read().decode()
+    assert "upesi_spec_draft_tokens_total" in text and "upesi_spec_accepted_tokens_total" in text
+
+
+def test_draft_dying_mid_request_is_invisible_to_the_client(spec_stack, hf_greedy):
+    with grpc.insecure_channel(spec_stack["router"]) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        stream = stub.GenerateStream(chat(CHAT_PROMPTS[1], max_tokens=GREEDY_TOKENS, temperature=0), timeout=120)
+        ids = list(next(stream).choices[0].token_ids)
+        spec_stack["procs"]["draft"].kill()
+        for msg in stream:
+            for c in msg.choices:
+                ids.extend(c.token_ids)
+        assert ids == hf_greedy[1]
+    with grpc.insecure_channel(spec_stack["target"]) as ch:
+        load = target_pb2_grpc.TargetStub(ch).Load(target_pb2.LoadRequest(), timeout=10)
+        assert load.kv_blocks_used == 0
