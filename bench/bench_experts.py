@@ -8,11 +8,15 @@ Napkin maths: a dense layer split over N shards sends every shard the step's hid
 back, so each token costs 2 * N * D * 4 bytes per layer in fp32 (D = 576: 9,216 bytes for N = 2), plus a few bytes of
 slot ids. Step time adds N concurrent round trips per layer (30 layers): on one machine the RPC latency, not the
 bytes, is the price.
+
+Both sides run with OMP_WAIT_POLICY=PASSIVE (what `upesi serve --expert-shards` sets): OpenMP workers spinning while
+the target waits on RPCs would take the shards' cores.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import statistics
@@ -23,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")                  # before torch loads OpenMP
 
 from bench.bench_generate import PROMPTS  # noqa: E402
 
@@ -101,7 +106,8 @@ def main() -> None:
               f"{cfg.hidden_size} x 4 B); {client.num_rpcs} RPCs, {a.shards} per layer per step")
         print(json.dumps({"experts_step": out, "shards": a.shards, "wire_bytes_per_token_layer": round(per_token_layer),
                           "napkin_bytes_per_token_layer": napkin, "threads": a.threads,
-                          "shard_threads": a.shard_threads}))
+                          "shard_threads": a.shard_threads,
+                          "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}))
         client.close()
     finally:
         for p in shards:

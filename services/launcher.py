@@ -51,8 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, ServeConfig)
 
 
-def _child(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], start_new_session=True)
+def _child(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], start_new_session=True,
+                            env=None if env is None else {**os.environ, **env})
+
+
+def _expert_env(cfg: ServeConfig) -> dict[str, str] | None:
+    """With expert shards the target waits on RPCs 2 * layers times a step: OpenMP workers that spin while it waits
+    would take the cores the shards compute on (x6 step time at batch 1 on 2 cores), so they sleep instead."""
+    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")} if cfg.expert_shards else None
 
 
 def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -104,12 +111,15 @@ def main(args: argparse.Namespace) -> None:
     try:
         registry = ["--registry", cfg.registry] if cfg.registry else []
         placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
+        env = _expert_env(cfg)
+        # the shards share this machine's cores with the target
+        shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
         shards: dict[int, tuple[int, str, list[str]]] = {}   # index in procs -> (shard, address, its command)
         for i, address in enumerate(cfg.expert_addresses()):
             shards[len(procs)] = (i, address, ["experts", "--address", address, "--shard-index", str(i),
                                                "--num-shards", str(cfg.expert_shards), "--device", cfg.device,
-                                               *model, *threads, *placement])
-            procs.append(_child(shards[len(procs)][2]))
+                                               "--num-threads", shard_threads, *model, *placement])
+            procs.append(_child(shards[len(procs)][2], env))
             print(f"upesi: expert shard {i} on {address} (pid {procs[-1].pid})", flush=True)
         experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
         for i, address in enumerate(cfg.target_addresses()):
@@ -117,7 +127,7 @@ def main(args: argparse.Namespace) -> None:
             procs.append(_child(["target", "--address", address, "--replica-id", address,
                                  "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                                  "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
-                                 *model, *threads, *registry, *experts]))
+                                 *model, *threads, *registry, *experts], env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
                              *model, *registry]))
@@ -129,7 +139,7 @@ def main(args: argparse.Namespace) -> None:
                 if procs[i].poll() is not None:
                     print(f"upesi: expert shard {shard} exited (code {procs[i].returncode}); restarting it",
                           file=sys.stderr, flush=True)
-                    procs[i] = _child(command)
+                    procs[i] = _child(command, env)
                     print(f"upesi: expert shard {shard} on {address} (pid {procs[i].pid})", flush=True)
             if any(p.poll() is not None for i, p in enumerate(procs) if i not in shards):
                 break

@@ -69,6 +69,7 @@ class ExpertsClient:
                        False: torch.zeros(layers, max(placement.num_experts, 1), dtype=torch.int64)}   # [L, E]
         self._down_until = [0.0] * n
         self._replicas: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dense_plans: dict[tuple, dict] = {}
         self._ok = [RPCS.labels(str(s), "OK") for s in range(n)]
         self._seconds = [RPC_SECONDS.labels(str(s)) for s in range(n)]
         self._sent, self._received = WIRE_BYTES.labels("sent"), WIRE_BYTES.labels("received")
@@ -111,7 +112,7 @@ class ExpertsClient:
             for s, units in added.items()}
         loaded = {s: f.result().loaded for s, f in futures.items()}
         # One reference swap: a step in flight may finish on the old placement, whose units all stay loaded.
-        self.placement, self._replicas = new, {}
+        self.placement, self._replicas, self._dense_plans = new, {}, {}
         return loaded
 
     # ---------------------------------------------------------------- one layer, one step
@@ -130,7 +131,7 @@ class ExpertsClient:
             self.tokens[True][layer] += t
         else:
             self.tokens[False][layer] += torch.bincount(flat_ids, minlength=self.tokens[False].shape[1])
-        plan = plan_dispatch(ids, self._replica_table(layer, dense, self._avoid()))
+        plan = self._plan(layer, dense, ids)
         parts, failed = self._send(layer, x, flat_ids, flat_w, plan)
         if failed:
             avoid = self._avoid()
@@ -187,6 +188,16 @@ class ExpertsClient:
             o = resp.output
             parts.append((ss.rows, tensor_codec.decode(o.dtype, list(o.shape), o.data)))
         return parts, failed
+
+    def _plan(self, layer: int, dense: bool, ids: torch.Tensor) -> dict:
+        avoid = self._avoid()
+        if not dense:
+            return plan_dispatch(ids, self._replica_table(layer, dense, avoid))
+        key = (layer if layer in self.placement.layers else -1, avoid, ids.shape[0])
+        plan = self._dense_plans.get(key)                 # a dense layer's plan depends only on T
+        if plan is None:
+            plan = self._dense_plans[key] = plan_dispatch(ids, self._replica_table(layer, dense, avoid))
+        return plan
 
     def _avoid(self) -> frozenset[int]:
         now = time.monotonic()

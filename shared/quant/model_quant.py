@@ -18,13 +18,14 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from shared.quant.checkpoint import CheckpointFormatError, _is_ct_nvfp4_group, load_compressed_tensors
-from shared.quant.nvfp4_module import NVFP4Linear, FP8Linear
+from shared.quant.nvfp4_module import FP8Linear, NVFP4Linear
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 Scheme = Literal["nvfp4", "fp8"]
@@ -60,7 +61,9 @@ def linear_units(model: nn.Module) -> list[Unit]:
         prefix, _, short = name.rpartition(".")
         if short in parts:
             offsets = model._fused_offsets(short)
-            segments = tuple(b - a for a, b in zip(offsets, offsets[1:]))
+            segments = tuple(b - a for a, b in pairwise(offsets))
+            if sum(segments) != mod.out_features:
+                raise CheckpointFormatError(f"{name}: fused rows {segments} do not add up to {mod.out_features}")
             names = tuple(hf_name(f"{prefix}.{s}" if prefix else s) for s in parts[short])
         else:
             segments, names = (mod.out_features,), (hf_name(name),)

@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from shared.quant.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, NVFP4ShapeError, NVFP4Weight, e2m1_decode, fake_quantise
 
@@ -74,8 +73,9 @@ class NVFP4Linear(_PackedLinear):
         weight_global_scale [S]      float32, one per segment
         input_global_scale  [S]      float32, one per segment (W4A4 checkpoints only, else None)
     With act_quant and no input_global_scale the activations' global scale is computed per call (dynamic).
-    On CUDA, W4A16 runs the Triton kernel (shared.quant.nvfp4_triton); elsewhere, and for W4A4, the torch
-    reference shared.quant.nvfp4_linear.
+    On CUDA, W4A16 runs the Triton kernel (shared.quant.nvfp4_triton), one launch per segment; elsewhere, and for
+    W4A4, the arithmetic of the torch reference shared.quant.nvfp4_linear on the whole fused weight, dequantised
+    per call (tests check both against the reference). Nothing dense is kept between calls.
     """
 
     def __init__(self, in_features: int, segments: Sequence[int], bias: bool = False, act_quant: bool = False,
@@ -134,12 +134,7 @@ class NVFP4Linear(_PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype; the arithmetic of shared.quant.nvfp4_linear (fp32 accumulation)."""
         if x.is_cuda and not self.act_quant:
-            if self._cache is None:      # validated once (one host sync per segment), not per step
-                self._cache = [self.segment(i) for i in range(len(self.segments))]
-            from shared.quant.nvfp4_triton import nvfp4_matmul   # lazy: triton only where it runs
-            ys = [nvfp4_matmul(x, w) for w in self._cache]                  # S x [..., N_s]
-            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)            # [..., N]
-            return y if self.bias is None else y + self.bias
+            return self.forward_triton(x)
         xf = x.float()                                                      # [..., K]
         w = self.dequantise(torch.float32)                                  # [N, K]
         igs = self.input_global_scale
@@ -153,6 +148,15 @@ class NVFP4Linear(_PackedLinear):
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """W4A16 through the Triton kernel, one launch per segment (CUDA, or CPU under TRITON_INTERPRET=1)."""
+        if self._cache is None:          # validated once (one host sync per segment), not per step
+            self._cache = [self.segment(i) for i in range(len(self.segments))]
+        from shared.quant.nvfp4_triton import nvfp4_matmul  # lazy: triton only where it runs
+        ys = [nvfp4_matmul(x, w) for w in self._cache]                      # S x [..., N_s]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)                # [..., N]
+        return y if self.bias is None else y + self.bias
 
 
 _BYTE_VALUES: dict[torch.device, torch.Tensor] = {}

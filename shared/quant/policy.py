@@ -83,6 +83,8 @@ def parse_size(text: str | int) -> int:
 
 def load_rules(path: str) -> list[tuple[str, Precision]]:
     """The (pattern, precision) rules of a JSON or YAML policy file, in file order."""
+    if not Path(path).is_file():
+        raise PolicyError(f"policy file {path} does not exist (give a JSON / YAML file, or 'auto')")
     text = Path(path).read_text()
     if path.endswith(".json"):
         data = json.loads(text)

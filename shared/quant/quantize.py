@@ -6,9 +6,10 @@
                              norms and biases fp32
     out/tokenizer*, chat_template.jinja, generation_config.json    when the source has them
 
-The weights stream through one tensor at a time (shared.model.loader.iter_weights), so the peak is the output
-plus one dense tensor. Calibration (the auto policy, W4A4 input scales) loads the source a second time in the
-engine to capture activations.
+Without calibration the weights stream through one tensor at a time (shared.model.loader.iter_weights), so the
+peak is the output plus one dense tensor. Calibration (the auto policy, W4A4 input scales) loads the source in the
+engine to capture activations (shared.quant.policy.measure) and then converts that model's weights, so the
+checkpoint is read once either way.
 """
 from __future__ import annotations
 
@@ -19,24 +20,26 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from shared.model.config import ModelConfig
 from shared.model.loader import is_gguf, iter_weights, load_config, resolve_model_path
+from shared.quant import policy as pol
 from shared.quant.checkpoint import CT_FORMAT, compressed_tensors_config, to_compressed_tensors
 from shared.quant.model_quant import hf_name, linear_units
 from shared.quant.nvfp4 import NVFP4Weight, global_scale_from_amax
 from shared.quant.nvfp4_module import fp8_quantise
-from shared.quant import policy as pol
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
-FP8_GROUP = {"targets": [], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
-                                        "dynamic": False}, "input_activations": None, "output_activations": None,
-             "format": "float-quantized"}
+FP8_GROUP: dict[str, Any] = {  # compressed-tensors' FP8 weight-only scheme: E4M3, one scale per output row
+    "targets": [], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                               "dynamic": False},
+    "input_activations": None, "output_activations": None, "format": "float-quantized"}
 
 
 @dataclass(slots=True)
@@ -84,6 +87,13 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     units = _units(cfg)                                          # unit -> (checkpoint names, rows, in features)
     rules = pol.DEFAULT_RULES + (pol.load_rules(policy) if policy not in (None, "auto") else [])
     chosen, notes = pol.resolve({u: v[0] for u, v in units.items()}, rules)
+    if policy == "auto":
+        budget, base = pol.parse_size(memory_budget or 0), _weight_bytes(cfg, units, chosen, rules, act_quant)
+        if budget < base:
+            raise pol.PolicyError(f"memory budget {budget / 1e6:.1f} MB is below the all-NVFP4 size "
+                                  f"{base / 1e6:.1f} MB; raise it")
+        if keep not in ("fp8", "bf16", "fp32"):
+            raise pol.PolicyError(f"the auto policy keeps sensitive layers in fp8, bf16 or fp32, not {keep!r}")
 
     calibrate = policy == "auto" or act_quant
     text = calibrate and not isinstance(calibration, list)
@@ -93,16 +103,12 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     weights = None
     if calibrate:
         ids = calibration if isinstance(calibration, list) else tokenizer.encode(calibration or pol.CALIBRATION_TEXT)
+        if not ids:
+            raise pol.PolicyError("the calibration text is empty")
         targets = {u: v[:2] for u, v in units.items() if chosen[u] == "nvfp4"}
         found, quantised, model = pol.measure(src, targets, ids, act_quant)
         weights = _model_weights(model, units)          # the loaded model, not a second read of the checkpoint
     if policy == "auto":
-        budget, base = pol.parse_size(memory_budget), _weight_bytes(cfg, units, chosen, rules, act_quant)
-        if budget < base:
-            raise pol.PolicyError(f"memory budget {budget / 1e6:.1f} MB is below the all-NVFP4 size "
-                                  f"{base / 1e6:.1f} MB; raise it")
-        if keep not in ("fp8", "bf16", "fp32"):
-            raise pol.PolicyError(f"the auto policy keeps sensitive layers in fp8, bf16 or fp32, not {keep!r}")
         for u in pol.choose(found, budget - base, keep, act_quant):
             chosen[u] = keep
         notes.append(f"budget {budget / 1e6:.1f} MB, all-NVFP4 {base / 1e6:.1f} MB, "
@@ -131,14 +137,28 @@ def _num_params(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def _units(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], int]]:
-    """Our model's linear units, from the architecture built on the meta device (no memory, no weights)."""
+    """Our model's linear units, from the architecture built on the meta device (no memory, no weights).
+
+    Raises PolicyError for an architecture with weight matrices that are not nn.Linear (batched MoE experts, say),
+    which this command would otherwise leave in fp32 unnoticed.
+    """
     from shared.model.registry import ARCHITECTURES
+    if cfg.architecture not in ARCHITECTURES:
+        raise pol.PolicyError(f"architecture {cfg.architecture!r} is not supported; known: {sorted(ARCHITECTURES)}")
     with torch.device("meta"):
         model = ARCHITECTURES[cfg.architecture](cfg, 16)
-    return {u.name: (u.hf_names, u.segments, u.in_features) for u in linear_units(model)}
+    units = linear_units(model)
+    covered = {f"{u.name}.weight" for u in units}
+    covered |= {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    others = [n for n, p in model.named_parameters() if p.ndim >= 2 and n not in covered]
+    if others:
+        raise pol.PolicyError(f"{cfg.architecture}: {len(others)} weight tensors are not linear layers this command "
+                              f"quantises (e.g. {others[:2]}); it handles dense Llama-family models for now")
+    return {u.name: (u.hf_names, u.segments, u.in_features) for u in units}
 
 
 def _weight_bytes(cfg: ModelConfig, units: dict, chosen: dict[str, pol.Precision], rules, act_quant: bool) -> int:
+    """Checkpoint weight bytes these precisions give (linears, embeddings, fp32 norms; biases left out)."""
     total = sum(pol.bytes_per_layer(chosen[u], r, k, act_quant) for u, (_, rows, k) in units.items() for r in rows)
     embed = pol.bytes_per_layer(pol.precision_of(pol.EMBEDDINGS, rules), cfg.vocab_size, cfg.hidden_size)
     norms = 4 * cfg.hidden_size * (2 * cfg.num_layers + 1)

@@ -135,6 +135,7 @@ def test_one_dispatch_per_shard_per_layer_per_step_whatever_the_batch(stack, stu
     assert info.dispatches == rpcs1["0"] and info.held == NUM_LAYERS and info.num_shards == stack.num_shards
 
 
+@pytest.mark.parametrize("stack", [3], indirect=True, ids=["3shards"])
 def test_shard_loads_units_on_demand_and_rejects_bad_input(stack):
     """Shard 0 loads slice 1 of layer 0 (shard 1's) from the checkpoint; both then compute it identically."""
     from shared import tensor_codec
@@ -170,6 +171,7 @@ def _shard_pids(stack) -> dict[int, int]:
     return pids
 
 
+@pytest.mark.parametrize("stack", [2], indirect=True, ids=["2shards"])
 def test_killed_shard_fails_the_stream_fast_frees_its_blocks_and_serves_again_when_restarted(stack, stub, reference):
     victim = stack.num_shards - 1
     pid = _shard_pids(stack)[victim]
