@@ -86,7 +86,7 @@ def main() -> None:
         local = {b: statistics.median(decode_step_times(eng, (ids * b)[:b], a.steps)) for b in a.batch}
 
         model = eng.runner.model
-        client = ExpertsClient(addresses, Placement(a.shards), [bool(k) for k in ffn_kinds(model)])
+        client = ExpertsClient(addresses, Placement(a.shards), ffn_kinds(model))
         client.wait_ready(cfg, timeout_s=600)
         attach_expert_shards(model, client)
         decode_step_times(eng, ids[:1], 2)                           # warm-up: connections, shard allocators

@@ -28,7 +28,8 @@ class ServeConfig:
     device: str = option("auto", "target device: cpu, cuda or auto")
     expert_shards: int = option(0, "expert shard processes (0 = FFNs run in the target); they listen on the ports "
                                    "after the targets'")
-    expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards (default: contiguous)")
+    expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards "
+                                                "(default: contiguous)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
 
     def __post_init__(self) -> None:

@@ -62,4 +62,5 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         return experts_pb2.ShardInfoResponse(
             model=cfg.name, shard_index=s.index, num_shards=s.placement.num_shards, num_layers=cfg.num_layers,
             hidden_size=cfg.hidden_size, num_experts=s.placement.num_experts, held=s.num_units,
-            weight_bytes=s.weight_bytes, dispatches=s.dispatches, slots=s.slots, dtype=str(s.dtype).removeprefix("torch."))
+            weight_bytes=s.weight_bytes, dispatches=s.dispatches, slots=s.slots,
+            dtype=str(s.dtype).removeprefix("torch."))

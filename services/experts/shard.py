@@ -53,19 +53,20 @@ def ffn_forward(units: Mapping[int, FfnUnit], hidden: torch.Tensor, unit_ids: to
                 weights: torch.Tensor | None = None, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The shard's compute. hidden [U, D]; per slot: unit_ids [S], weights [S] (None = 1), slot_rows [S] (None =
     slot s reads row s) -> [U, D], per row the sum of its slots' weighted unit outputs, in ascending unit order."""
+    # Weights multiply in their own dtype (fp32) before the cast back, as LocalExperts does.
     present = torch.unique(unit_ids).tolist()                           # the one host sync of the call
     if slot_rows is None and len(present) == 1:                         # a dense slice, or one expert: no scatter
-        y = units[present[0]](hidden)
-        return y if weights is None else y * weights.to(y.dtype)[:, None]
-    rows_of = slot_rows if slot_rows is not None else torch.arange(unit_ids.numel())
+        y = units[present[0]](hidden)                                   # [U, D]
+        return y if weights is None else (y * weights[:, None]).to(hidden.dtype)
+    rows_of = slot_rows if slot_rows is not None else torch.arange(unit_ids.numel(), device=hidden.device)
     out = torch.zeros_like(hidden)                                      # [U, D]
     for u in present:
         sel = (unit_ids == u).nonzero()[:, 0]                           # [S_u]
         rows = rows_of[sel]
         y = units[u](hidden[rows])                                      # [S_u, D]
         if weights is not None:
-            y = y * weights[sel].to(y.dtype)[:, None]
-        out.index_add_(0, rows, y)
+            y = y * weights[sel, None]
+        out.index_add_(0, rows, y.to(out.dtype))
     return out
 
 
@@ -75,6 +76,8 @@ def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], b
     dense)` accepts; dense FFNs are cut into `num_slices` slices."""
     parts: dict[Unit, dict[str, torch.Tensor]] = defaultdict(dict)
     for name, w in iter_weights(path, cfg, progress):
+        if (m := _EXPERT.fullmatch(name) or _DENSE.fullmatch(name)) and int(m[1]) >= cfg.num_layers:
+            continue                                                        # past the decoder (DeepSeek-V3's MTP)
         if m := _EXPERT.fullmatch(name):
             layer, expert, proj, kind = int(m[1]), int(m[2]), m[3], m[4]
             if proj in _PART and wanted(layer, expert, False):
@@ -120,7 +123,7 @@ class ExpertShard:
         self.layers: dict[int, dict[int, FfnUnit]] = {}
         self.dispatches = self.slots = 0
         t0 = time.perf_counter()
-        self._add(read_units(self.path, self.cfg, lambda l, u, d: placement.holds(shard_index, l, u, d),
+        self._add(read_units(self.path, self.cfg, lambda layer, u, d: placement.holds(shard_index, layer, u, d),
                              placement.num_shards, progress))
         if not self.layers:
             raise ValueError(f"shard {shard_index} of {placement.num_shards} holds nothing of {self.path}: no FFN "
@@ -149,7 +152,7 @@ class ExpertShard:
         want = {u for u in units if u[1] not in self.layers.get(u[0], {})}
         if not want:
             return 0
-        found = read_units(self.path, self.cfg, lambda l, u, d: (l, u) in want, self.placement.num_shards,
+        found = read_units(self.path, self.cfg, lambda layer, u, d: (layer, u) in want, self.placement.num_shards,
                            self.progress)
         if want - found.keys():
             raise InvalidRequest(f"the checkpoint has no FFN unit (layer, expert) {sorted(want - found.keys())[:8]}")

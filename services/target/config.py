@@ -30,7 +30,8 @@ class TargetConfig:
     replica_id: str | None = option(None, "this replica's name in the registry (default: its address)")
     expert_shards: str | None = option(None, "expert shard addresses, comma-separated in shard order: every layer's "
                                              "FFN runs there (default: none, FFNs run in this process)")
-    expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards (default: contiguous)")
+    expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards "
+                                                "(default: contiguous)")
     expert_timeout_s: float = option(5.0, "deadline of one call to an expert shard; past it the shard counts as down")
 
     def __post_init__(self) -> None:

@@ -70,7 +70,7 @@ def _attach_expert_shards(cfg: TargetConfig, engine: LLMEngine):
 
     addresses, model = cfg.expert_addresses(), engine.runner.model
     placement = load_placement(cfg.expert_placement, len(addresses), num_routed_experts(engine.model_cfg))
-    client = ExpertsClient(addresses, placement, [bool(k) for k in ffn_kinds(model)], cfg.expert_timeout_s)
+    client = ExpertsClient(addresses, placement, ffn_kinds(model), cfg.expert_timeout_s)
     log.info("waiting for %d expert shards: %s", len(addresses), ", ".join(addresses))
     client.wait_ready(engine.model_cfg, timeout_s=600)
     freed = attach_expert_shards(model, client)

@@ -2,8 +2,8 @@
 
 `attach_expert_shards` swaps each dense layer's MLP for a `RemoteMLP` (calling `RemoteDense`) and each MoE block's
 backend for `RemoteExperts`, then frees the local FFN weights. Per layer per forward step, `ExpertsClient.run` groups
-the (token, unit) slots by shard (shared.model.placement), sends ONE Dispatch per shard carrying all of its slots, to all
-shards at once (sync stubs' `.future()`, so it runs on the engine thread), and sums what comes back (combine).
+the (token, unit) slots by shard (shared.model.placement), sends ONE Dispatch per shard carrying all of its slots, to
+all shards at once (sync stubs' `.future()`, so it runs on the engine thread), and sums what comes back (combine).
 
 A shard that fails (UNAVAILABLE, or its deadline passes) is avoided for `retry_after_s`; its slots go to replicas on
 other shards when every unit has one, else the step fails with PeerUnavailable (UNAVAILABLE to the client). gRPC
@@ -85,7 +85,8 @@ class ExpertsClient:
                 info = stub.Info(experts_pb2.ShardInfoRequest(), wait_for_ready=True,
                                  timeout=max(1.0, deadline - time.monotonic()))
             except grpc.RpcError as e:
-                raise PeerUnavailable(f"expert shard {i} at {self.addresses[i]} did not come up: {e.details()}") from None
+                raise PeerUnavailable(f"expert shard {i} at {self.addresses[i]} did not come up: "
+                                      f"{e.details()}") from None
             want = (i, self.placement.num_shards, cfg.num_layers, cfg.hidden_size, self.placement.num_experts)
             got = (info.shard_index, info.num_shards, info.num_layers, info.hidden_size, info.num_experts)
             if got != want:
@@ -108,7 +109,7 @@ class ExpertsClient:
                 for s in set(new.shards(layer, u, dense)) - set(self.placement.shards(layer, u, dense)):
                     added.setdefault(s, []).append((layer, u))
         futures = {s: self.stubs[s].LoadExperts.future(experts_pb2.LoadExpertsRequest(
-            experts=[experts_pb2.ExpertRef(layer=l, expert=u) for l, u in units]), timeout=timeout_s)
+            experts=[experts_pb2.ExpertRef(layer=layer, expert=u) for layer, u in units]), timeout=timeout_s)
             for s, units in added.items()}
         loaded = {s: f.result().loaded for s, f in futures.items()}
         # One reference swap: a step in flight may finish on the old placement, whose units all stay loaded.
@@ -256,13 +257,18 @@ class RemoteMLP(nn.Module):
         return self.backend.dense(self.layer, x)                               # [T, D]
 
 
-def ffn_kinds(model: nn.Module) -> list[bool | None]:
-    """Per decoder layer: True = a dense SwiGLU MLP, False = an MoE block (it has a `backend`), None = neither."""
-    kinds: list[bool | None] = []
-    for layer in model.layers:
+def ffn_kinds(model: nn.Module) -> list[bool]:
+    """Per decoder layer: True = a dense SwiGLU MLP, False = an MoE block (it has a `backend`)."""
+    kinds = []
+    for i, layer in enumerate(model.layers):
         mlp = layer.mlp
-        kinds.append(False if hasattr(mlp, "backend") else
-                     True if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj") else None)
+        if hasattr(mlp, "backend"):
+            kinds.append(False)
+        elif hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+            kinds.append(True)
+        else:
+            raise ValueError(f"layer {i}: {type(mlp).__name__} is neither a dense MLP nor an MoE block; "
+                             "its FFN cannot run on expert shards")
     return kinds
 
 
@@ -271,10 +277,8 @@ def attach_expert_shards(model: nn.Module, client: ExpertsClient) -> int:
     dense = RemoteDense(client)
     experts = RemoteExperts(client)
     freed = 0
-    for i, (layer, kind) in enumerate(zip(model.layers, ffn_kinds(model))):
-        if kind is None:
-            raise ValueError(f"layer {i}: {type(layer.mlp).__name__} is neither a dense MLP nor an MoE block")
-        if kind:
+    for i, (layer, is_dense) in enumerate(zip(model.layers, ffn_kinds(model))):
+        if is_dense:
             old, layer.mlp = layer.mlp, RemoteMLP(i, dense)
             freed += _free(old, keep=())
         else:

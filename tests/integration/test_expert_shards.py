@@ -145,7 +145,8 @@ def test_shard_loads_units_on_demand_and_rejects_bad_input(stack):
         return experts_pb2.Tensor(dtype=dtype, shape=shape, data=data)
 
     x = torch.randn(4, 576, generator=torch.Generator().manual_seed(0))
-    req = experts_pb2.DispatchRequest(layer=0, hidden=pb_tensor(x), expert_ids=pb_tensor(torch.ones(4, dtype=torch.int32)))
+    req = experts_pb2.DispatchRequest(layer=0, hidden=pb_tensor(x),
+                                      expert_ids=pb_tensor(torch.ones(4, dtype=torch.int32)))
     with grpc.insecure_channel(stack.shard_addresses[0]) as c0, grpc.insecure_channel(stack.shard_addresses[1]) as c1:
         s0, s1 = experts_pb2_grpc.ExpertsStub(c0), experts_pb2_grpc.ExpertsStub(c1)
         with pytest.raises(grpc.RpcError) as e:
@@ -156,8 +157,8 @@ def test_shard_loads_units_on_demand_and_rejects_bad_input(stack):
         assert (r.loaded, r.held) == (1, NUM_LAYERS + 1)
         a, b = s0.Dispatch(req, timeout=10).output, s1.Dispatch(req, timeout=10).output
         assert a.data == b.data and list(a.shape) == [4, 576]
-        bad = experts_pb2.DispatchRequest(layer=0, hidden=experts_pb2.Tensor(dtype="float32", shape=[4, 576], data=b"x"),
-                                          expert_ids=req.expert_ids)
+        short = experts_pb2.Tensor(dtype="float32", shape=[4, 576], data=b"x")
+        bad = experts_pb2.DispatchRequest(layer=0, hidden=short, expert_ids=req.expert_ids)
         with pytest.raises(grpc.RpcError) as e:
             s1.Dispatch(bad, timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hidden" in e.value.details()
@@ -189,7 +190,9 @@ def test_killed_shard_fails_the_stream_fast_frees_its_blocks_and_serves_again_wh
     with grpc.insecure_channel(stack.target_address) as ch:
         target = target_pb2_grpc.TargetStub(ch)
         deadline = time.monotonic() + 10
-        while (load := target.Load(target_pb2.LoadRequest(), timeout=10)).kv_blocks_used and time.monotonic() < deadline:
+        while (load := target.Load(target_pb2.LoadRequest(), timeout=10)).kv_blocks_used:
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.2)
         assert (load.kv_blocks_used, load.running, load.waiting) == (0, 0, 0)
     # `upesi serve` restarts the shard; the target's channel reconnects to it
@@ -229,7 +232,8 @@ def test_routed_experts_on_shards_equal_local_with_replicas_fail_over_and_rebala
     placement.save(str(tmp_path / "placement.json"))
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     log = open(tmp_path / "shards.log", "w")
-    procs = [_start_shard(str(tmp_path), i, 2, a, str(tmp_path / "placement.json"), log) for i, a in enumerate(addresses)]
+    procs = [_start_shard(str(tmp_path), i, 2, a, str(tmp_path / "placement.json"), log)
+             for i, a in enumerate(addresses)]
     try:
         def engine():
             return LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64))
@@ -241,7 +245,7 @@ def test_routed_experts_on_shards_equal_local_with_replicas_fail_over_and_rebala
         want_logits = local.score(scored)
 
         model = remote.runner.model
-        client = ExpertsClient(addresses, placement, [bool(k) for k in ffn_kinds(model)], timeout_s=5.0)
+        client = ExpertsClient(addresses, placement, ffn_kinds(model), timeout_s=5.0)
         assert client.dense_layers == [True, False, False]
         client.wait_ready(remote.model_cfg, timeout_s=120)
         assert attach_expert_shards(model, client) > 0

@@ -133,9 +133,10 @@ def test_dense_split_sums_to_the_whole_ffn(tiny_llama, num_shards):
     path, model = tiny_llama
     shards = _shards(path, Placement(num_shards))
     for s, shard in enumerate(shards):                     # shard s holds slice s of every layer, nothing else
-        assert {l: sorted(u) for l, u in shard.layers.items()} == {0: [s], 1: [s]}
+        assert {layer: sorted(u) for layer, u in shard.layers.items()} == {0: [s], 1: [s]}
         lo, hi = dense_slice(40, s, num_shards)
-        assert shard.layers[0][s].gate_up.shape == (2 * (hi - lo), 32) and shard.layers[0][s].down.shape == (32, hi - lo)
+        unit = shard.layers[0][s]
+        assert unit.gate_up.shape == (2 * (hi - lo), 32) and unit.down.shape == (32, hi - lo)
     x = torch.randn(7, 32, generator=torch.Generator().manual_seed(1))
     ids = torch.arange(num_shards).expand(7, -1)
     with torch.inference_mode():
@@ -157,7 +158,7 @@ def _routing(model, layer: int, t: int, seed: int) -> tuple[torch.Tensor, torch.
 def test_experts_on_shards_equal_local_experts_whatever_the_placement(tiny_mixtral):
     path, model = tiny_mixtral
     contiguous = Placement(2, 6)
-    everywhere = Placement(2, 6, {l: tuple((0, 1) for _ in range(6)) for l in (0, 1)})
+    everywhere = Placement(2, 6, {layer: tuple((0, 1) for _ in range(6)) for layer in (0, 1)})
     loads = torch.tensor([[50, 1, 1, 1, 1, 1], [1, 1, 1, 1, 40, 30]])
     rebalanced = replicate_hot(loads, contiguous, extra=2)
     one = Placement(1, 6)
@@ -245,8 +246,7 @@ def test_rebalancer_replicates_the_hottest_experts_on_the_least_loaded_shards():
 
 def test_attach_routes_every_layer_through_the_client_and_frees_local_weights(tiny_llama, tiny_mixtral):
     from shared.model.registry import build_model
-    from shared.model.remote_ffn import (ExpertsClient, RemoteExperts, RemoteMLP, attach_expert_shards,
-                                         ffn_kinds)
+    from shared.model.remote_ffn import ExpertsClient, RemoteExperts, RemoteMLP, attach_expert_shards, ffn_kinds
     for path, kinds in ((tiny_llama[0], [True, True]), (tiny_mixtral[0], [False, False])):
         model, _ = build_model(path, 64, torch.float32, "cpu", progress=False)
         assert ffn_kinds(model) == kinds
@@ -259,3 +259,31 @@ def test_attach_routes_every_layer_through_the_client_and_frees_local_weights(ti
         for layer in model.layers:
             assert isinstance(layer.mlp, RemoteMLP) if kinds[0] else isinstance(layer.mlp.backend, RemoteExperts)
         client.close()
+
+
+def test_configs_name_the_shards():
+    import argparse
+
+    from services.experts.config import ExpertsConfig
+    from services.launcher import ServeConfig
+    from services.target.config import TargetConfig
+    from shared.config import add_config_arguments, config_from_args
+
+    def parse(cls, argv):
+        p = argparse.ArgumentParser()
+        add_config_arguments(p, cls)
+        return config_from_args(cls, p.parse_args(argv))
+
+    assert parse(ServeConfig, []).expert_shards == 0                  # default: FFNs in the target
+    serve = parse(ServeConfig, ["--expert-shards", "3", "--target-address", "h:100", "--target-replicas", "2"])
+    assert serve.expert_addresses() == ["h:102", "h:103", "h:104"]     # after the targets' ports
+    assert parse(TargetConfig, []).expert_addresses() == []
+    assert parse(TargetConfig, ["--expert-shards", "a:1, b:2"]).expert_addresses() == ["a:1", "b:2"]
+    cfg = parse(ExpertsConfig, ["--shard-index", "2", "--num-shards", "3"])
+    assert (cfg.shard_index, cfg.num_shards, cfg.torch_dtype()) == (2, 3, torch.float32)
+    for cls, argv in ((ExpertsConfig, ["--shard-index", "3", "--num-shards", "3"]),
+                      (ExpertsConfig, ["--num-shards", "0"]), (ExpertsConfig, ["--dtype", "int8"]),
+                      (TargetConfig, ["--expert-timeout-s", "0"]), (TargetConfig, ["--expert-shards", ","]),
+                      (ServeConfig, ["--expert-shards", "-1"])):
+        with pytest.raises(ValueError):
+            parse(cls, argv)
