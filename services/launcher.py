@@ -30,6 +30,11 @@ class ServeConfig:
                                    "after the targets'")
     expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards "
                                                 "(default: contiguous)")
+    speculative: str | None = option(None, "speculative proposer inside each target: ngram or draft-model:PATH")
+    draft: str | None = option(None, "start a draft service with this proposer (ngram or draft-model:PATH) and have "
+                                     "the targets take proposals from it")
+    num_speculative_tokens: int = option(3, "default K for speculative decoding")
+    draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
 
     def __post_init__(self) -> None:
@@ -37,6 +42,8 @@ class ServeConfig:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
         if self.expert_shards < 0:
             raise ValueError(f"expert_shards must be >= 0, got {self.expert_shards}")
+        if self.speculative and self.draft:
+            raise ValueError("give --speculative (in the target) or --draft (a draft service), not both")
 
     def target_addresses(self) -> list[str]:
         host, port = self.target_address.rsplit(":", 1)
@@ -115,20 +122,29 @@ def main(args: argparse.Namespace) -> None:
         env = _expert_env(cfg)
         # the shards share this machine's cores with the target
         shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
-        shards: dict[int, tuple[int, str, list[str]]] = {}   # index in procs -> (shard, address, its command)
+        # stateless services the launcher restarts when they die: index in procs -> (name, address, command)
+        shards: dict[int, tuple[str, str, list[str]]] = {}
         for i, address in enumerate(cfg.expert_addresses()):
-            shards[len(procs)] = (i, address, ["experts", "--address", address, "--shard-index", str(i),
+            shards[len(procs)] = (f"expert shard {i}", address, ["experts", "--address", address, "--shard-index", str(i),
                                                "--num-shards", str(cfg.expert_shards), "--device", cfg.device,
                                                "--num-threads", shard_threads, *model, *placement])
             procs.append(_child(shards[len(procs)][2], env))
             print(f"upesi: expert shard {i} on {address} (pid {procs[-1].pid})", flush=True)
         experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
+        spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
+        if cfg.speculative:
+            spec += ["--speculative", cfg.speculative]
+        if cfg.draft:
+            shards[len(procs)] = ("draft service", cfg.draft_address, [
+                "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device])
+            procs.append(_child(shards[len(procs)][2], env))
+            spec += ["--draft", cfg.draft_address]
         for i, address in enumerate(cfg.target_addresses()):
             metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0
             procs.append(_child(["target", "--address", address, "--replica-id", address,
                                  "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                                  "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
-                                 *model, *threads, *registry, *experts], env))
+                                 *model, *threads, *registry, *experts, *spec], env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
                              *model, *registry]))
@@ -138,10 +154,10 @@ def main(args: argparse.Namespace) -> None:
         while True:
             for i, (shard, address, command) in shards.items():   # stateless: restart it, targets reconnect
                 if procs[i].poll() is not None:
-                    print(f"upesi: expert shard {shard} exited (code {procs[i].returncode}); restarting it",
+                    print(f"upesi: {shard} exited (code {procs[i].returncode}); restarting it",
                           file=sys.stderr, flush=True)
                     procs[i] = _child(command, env)
-                    print(f"upesi: expert shard {shard} on {address} (pid {procs[i].pid})", flush=True)
+                    print(f"upesi: {shard} on {address} (pid {procs[i].pid})", flush=True)
             if any(p.poll() is not None for i, p in enumerate(procs) if i not in shards):
                 break
             time.sleep(0.5)
