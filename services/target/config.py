@@ -25,6 +25,7 @@ class TargetConfig:
     enable_prefix_caching: bool = option(True, "reuse computed KV blocks across requests with a common prefix")
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = option(3, "default K, the draft tokens verified per step")
+    nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
     draft: str | None = option(None, "address of a draft service to take proposals from (instead of --speculative)")
     registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (default: none)")
     replica_id: str | None = option(None, "this replica's name in the registry (default: its address)")
@@ -51,4 +52,5 @@ class TargetConfig:
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=self.max_model_len, num_threads=self.num_threads, progress=self.progress,
                             enable_prefix_caching=self.enable_prefix_caching, speculative=self.speculative,
-                            num_speculative_tokens=self.num_speculative_tokens)
+                            num_speculative_tokens=self.num_speculative_tokens,
+                            nvfp4_act_quant=self.nvfp4_act_quant)

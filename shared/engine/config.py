@@ -23,6 +23,7 @@ class EngineConfig:
     speculative: str | None = None        # proposer: "ngram" or "draft-model:PATH" (None = no speculation)
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
     draft_kv_blocks: int = 512            # KV blocks of a draft model
+    nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

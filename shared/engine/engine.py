@@ -23,6 +23,7 @@ from shared.kv.block_manager import BlockManager
 from shared.kv.hashing import cache_extra
 from shared.model.loader import load_config, resolve_model_path
 from shared.model.registry import build_model
+from shared.quant.model_quant import set_act_quant
 
 
 @dataclass(slots=True)
@@ -48,6 +49,8 @@ class LLMEngine:
         window = load_config(self.model_path).max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or window, window)
         model, self.model_cfg = build_model(self.model_path, self.max_model_len, dtype, device, cfg.progress)
+        if cfg.nvfp4_act_quant and not set_act_quant(model, True):
+            raise ValueError(f"W4A4 was asked for but {self.model_path} has no NVFP4 layers (quantize it first)")
         per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg.block_size, dtype, model)
         num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -63,3 +63,24 @@ def test_mixed_perplexity_within_ten_percent_of_fp32(mixed, engine, hf_tokenizer
     print(f"\nperplexity on {TEXT.name} ({len(ids)} tokens): fp32 {fp32:.3f}, mixed NVFP4 {nvfp4:.3f} "
           f"({100 * (nvfp4 / fp32 - 1):+.1f}%)")
     assert nvfp4 <= 1.10 * fp32
+
+
+def test_quantised_model_serves_through_the_stack(mixed, tmp_path) -> None:
+    import grpc
+
+    from tests.conftest import Stack
+    from upesi.v1 import generation_pb2 as pb
+    from upesi.v1 import generation_pb2_grpc
+
+    out, _ = mixed
+    stack = Stack(tmp_path, ["--model", out])
+    try:
+        stack.wait_ready()
+        with grpc.insecure_channel(stack.address) as ch:
+            r = generation_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                messages=[pb.ChatMessage(role="user", content="What is the capital of France?")],
+                max_tokens=32, temperature=0), timeout=120)
+        print(f"\nanswer through the stack: {r.choices[0].text!r}")
+        assert "Paris" in r.choices[0].text
+    finally:
+        assert stack.stop() == 0

@@ -189,6 +189,11 @@ def test_w4a4_checkpoint_and_activation_quantisation(tmp_path: Path) -> None:
     # inputs a few fp32 ulps apart could round to different E2M1 codes; with these fixed inputs none do
     assert (got - logits(ref)).abs().max().item() < 1e-5
     assert (got - w4a16).abs().max().item() > 1e-3        # and activation quantisation does change the result
+    flagged = LLMEngine(EngineConfig(model=str(tmp_path / "q"), progress=False, num_kv_blocks=64, device="cpu",
+                                     nvfp4_act_quant=True))   # what `upesi target --nvfp4-act-quant` does
+    assert torch.equal(flagged.score(IDS), got)
+    with pytest.raises(ValueError, match="no NVFP4 layers"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "src"), progress=False, num_kv_blocks=64, nvfp4_act_quant=True))
 
 
 @pytest.mark.parametrize("act_quant", [False, True])
