@@ -21,14 +21,14 @@ async def serve(cfg: DraftConfig) -> None:
 
     from services.draft.proposer_service import DraftState
     from services.draft.servicer import DraftServicer
-    from shared.engine.config import EngineConfig
+    from shared.engine.config import resolve_device, resolve_dtype
     from shared.engine.proposers import make_proposer
     from upesi.v1 import draft_pb2_grpc
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    ec = EngineConfig(device=cfg.device)
-    proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, ec.torch_dtype(), ec.torch_device(),
+    device = resolve_device(cfg.device)
+    proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, resolve_dtype("auto", device), device,
                              cfg.max_model_len)
     service = Service("upesi.v1.Draft", DraftServicer(DraftState(proposer)), draft_pb2_grpc.add_DraftServicer_to_server)
     log.info("draft proposer %s", cfg.proposer)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import option
+from shared.engine.config import resolve_device, resolve_dtype
 
 
 @dataclass(slots=True)
@@ -35,11 +36,7 @@ class ExpertsConfig:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
+        return resolve_dtype(self.dtype, self.torch_device())

@@ -32,11 +32,21 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
+        return resolve_dtype(self.dtype, self.torch_device())
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" = cuda when present, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" = bfloat16 on cuda, float32 on cpu."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
