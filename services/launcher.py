@@ -108,11 +108,7 @@ def main(args: argparse.Namespace) -> None:
     model = ["--model", cfg.model] if cfg.model else []
     threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
     procs: list[subprocess.Popen] = []
-    stopping = False
-
     def on_signal(signum, frame) -> None:
-        nonlocal stopping
-        stopping = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -173,6 +169,4 @@ def main(args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _stop(procs)
-    if os.environ.get("UPESI_DEBUG"):
-        print(f"upesi: stopped (stopping={stopping})", file=sys.stderr)
     sys.exit(code)

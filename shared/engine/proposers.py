@@ -75,12 +75,7 @@ class DraftModelProposer:
             common += 1
         m.token_ids = list(seq.token_ids)
         m.num_computed_tokens = min(m.num_computed_tokens, common, len(m) - 1)
-        keep = self.blocks.blocks_for(m.num_computed_tokens)
-        for block in m.block_table[keep:]:
-            self.blocks.ref_counts[block] -= 1
-            if self.blocks.ref_counts[block] == 0:
-                self.blocks.free_ids[block] = None
-        del m.block_table[keep:]
+        self.blocks.trim(m, m.num_computed_tokens)
         return m
 
     @torch.inference_mode()

@@ -144,9 +144,10 @@ class BlockManager:
                 self.stored.append(h)
         seq.num_committed_blocks = full
 
-    def trim(self, seq: Sequence) -> None:
-        """Returns the blocks past the sequence's tokens (after a speculative rollback). They were never committed."""
-        keep = self.blocks_for(len(seq))
+    def trim(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Returns the blocks past the first `num_tokens` (default: all the sequence's tokens), after a speculative
+        rollback. Blocks past the computed tokens were never committed."""
+        keep = self.blocks_for(len(seq) if num_tokens is None else num_tokens)
         for block in reversed(seq.block_table[keep:]):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
