@@ -29,8 +29,12 @@ stubs: $(STUBS)
 $(STUBS) &: $(PROTOS) | $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
+# The default deployment: the target's FFNs on 2 expert shards (attention-FFN disaggregation, DESIGN.md section 5).
+# Override with e.g. `make run SERVE_ARGS=` (everything in one target process) or add `--draft ngram`.
+SERVE_ARGS ?= --expert-shards 2
+
 run: install
-	$(VENV)/bin/upesi serve
+	$(VENV)/bin/upesi serve $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS)

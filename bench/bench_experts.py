@@ -3,6 +3,12 @@
 default model, and the bytes that cross the wire.
 
     .venv/bin/python bench/bench_experts.py [--shards 2] [--batch 1 8 32] [--steps 16] [--shard-threads 1]
+    .venv/bin/python bench/bench_experts.py --rebalance [--shards 2]
+
+--rebalance: expert load imbalance (busiest shard / mean shard) before and after the automatic rebalancer, on a
+skewed workload: a tiny DeepSeek-V3 (tests/moe_checkpoints.py) whose correction bias sends every token to experts 0
+and 1, both on shard 0. Shard loads are the slots each shard process computed (its Info), dense layer 0's slices
+included; the rebalancer's own figure is the expected load of the worst MoE layer from the measured expert load.
 
 Napkin maths: a dense layer split over N shards sends every shard the step's hidden states and gets a partial sum
 back, so each token costs 2 * N * D * 4 bytes per layer in fp32 (D = 576: 9,216 bytes for N = 2), plus a few bytes of
@@ -56,6 +62,73 @@ def decode_step_times(eng, prompts: list[list[int]], steps: int) -> list[float]:
     return times
 
 
+def _start_shards(n: int, threads: int, model: str | None = None) -> tuple[list[str], list[subprocess.Popen]]:
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    more = ["--model", model] if model else []
+    return addresses, [subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "experts",
+                                         "--address", addr, "--shard-index", str(i), "--num-shards", str(n),
+                                         "--num-threads", str(threads), *more], cwd=ROOT)
+                       for i, addr in enumerate(addresses)]
+
+
+def rebalance(a: argparse.Namespace) -> None:
+    """Shard load imbalance on a skewed workload, before and after one round of the automatic rebalancer."""
+    import tempfile
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+    from shared.model.placement import Placement
+    from shared.model.rebalance import Rebalancer
+    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
+    from tests.moe_checkpoints import save_tiny
+
+    path = tempfile.mkdtemp(prefix="upesi-skewed-")
+    save_tiny(path, "deepseek_v3_skewed")
+    addresses, shards = _start_shards(a.shards, a.shard_threads, path)
+    try:
+        eng = LLMEngine(EngineConfig(model=path, progress=False, num_kv_blocks=256, num_threads=a.threads,
+                                     enable_prefix_caching=False))          # both phases do the same work
+        client = ExpertsClient(addresses, Placement(a.shards, 8), ffn_kinds(eng.runner.model))
+        client.wait_ready(eng.model_cfg, timeout_s=600)
+        attach_expert_shards(eng.runner.model, client)
+        prompts = [[(7 * i + 3 * j) % 100 + 1 for j in range(24)] for i in range(16)]
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+        def slots() -> list[int]:
+            return [i.slots for i in client.shard_info()]
+
+        def workload() -> tuple[list[int], list, float]:
+            s0, t0 = slots(), time.perf_counter()
+            out = eng.generate(prompts, params)
+            dt = time.perf_counter() - t0
+            return [b - a for a, b in zip(s0, slots())], out, dt
+
+        result = {}
+        rb = Rebalancer(client, interval_s=1.0, threshold=1.25, extra=2, min_tokens=1)
+        for phase in ("before", "after"):
+            per_shard, out, dt = workload()
+            result[phase] = {"shard_slots": per_shard,
+                             "imbalance": round(max(per_shard) / statistics.mean(per_shard), 3),
+                             "expected_worst_layer": round(max(rb.imbalances().values()), 3),
+                             "seconds": round(dt, 2), "tokens": out}
+            if phase == "before":
+                fired = rb.check()
+        same = result["before"].pop("tokens") == result["after"].pop("tokens")
+        for phase, r in result.items():
+            print(f"{phase:6s}: shard slots {r['shard_slots']}  max/mean {r['imbalance']:.2f}  (rebalancer's "
+                  f"expected worst MoE layer {r['expected_worst_layer']:.2f})  "
+                  f"{len(prompts)} x 32 tokens in {r['seconds']:.2f} s", flush=True)
+        print(json.dumps({"rebalance": result, "fired": fired, "history": rb.history, "greedy_tokens_unchanged": same,
+                          "shards": a.shards, "placement": client.placement.to_json()}, default=str))
+        client.close()
+    finally:
+        for p in shards:
+            p.send_signal(signal.SIGTERM)
+        for p in shards:
+            p.wait(timeout=30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=2)
@@ -63,7 +136,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the in-process engine (the target)")
     ap.add_argument("--shard-threads", type=int, default=1, help="torch threads of each shard")
+    ap.add_argument("--rebalance", action="store_true", help="load imbalance before / after rebalancing instead")
     a = ap.parse_args()
+    if a.rebalance:
+        return rebalance(a)
 
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
@@ -71,11 +147,7 @@ def main() -> None:
     from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
     from shared.tokenizer import Tokenizer
 
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(a.shards)]
-    shards = [subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "experts",
-                                "--address", addr, "--shard-index", str(i), "--num-shards", str(a.shards),
-                                "--num-threads", str(a.shard_threads)], cwd=ROOT)
-              for i, addr in enumerate(addresses)]
+    addresses, shards = _start_shards(a.shards, a.shard_threads)
     try:
         eng = LLMEngine(EngineConfig(progress=False, num_threads=a.threads, enable_prefix_caching=False,
                                      kv_cache_gb=0.5))

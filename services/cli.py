@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.experts import main as experts
     from services.router import main as router
     from services.target import main as target
-    from services import generate_cmd, quantize_cmd
+    from services import generate_cmd, quantize_cmd, train_draft_cmd
 
     p = argparse.ArgumentParser(prog="upesi", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("target", "run a target: model, paged KV cache, continuous batching", target)
     add("experts", "run an expert shard: the FFN weights placed on it, stateless batched compute", experts)
     add("draft", "run a draft service: speculative proposals (n-gram or a small draft model) for targets", draft)
+    add("train-draft", "train an EAGLE-style draft head for a target by self-distillation", train_draft_cmd)
     return p
 
 

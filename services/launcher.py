@@ -30,12 +30,26 @@ class ServeConfig:
                                    "after the targets'")
     expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards "
                                                 "(default: contiguous)")
-    speculative: str | None = option(None, "speculative proposer inside each target: ngram or draft-model:PATH")
-    draft: str | None = option(None, "start a draft service with this proposer (ngram or draft-model:PATH) and have "
-                                     "the targets take proposals from it")
+    speculative: str | None = option(None, "speculative proposer inside each target: ngram, draft-model:PATH or "
+                                           "eagle:PATH")
+    draft: str | None = option(None, "start a draft service with this proposer (ngram, draft-model:PATH or "
+                                     "eagle:PATH) and have the targets take proposals from it")
     num_speculative_tokens: int = option(3, "default K for speculative decoding")
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
+    nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")
+    rebalance_interval_s: float = option(0.0, "with expert shards: the targets replicate hot experts every this many "
+                                              "seconds when the shards' load is out of balance (0 = off)")
+    draft_metrics_port: int = option(8071, "draft service /metrics port (with --draft; 0 = off)")
+    expert_metrics_port: int = option(8081, "first expert shard's /metrics port, + i for shard i (0 = off)")
+    tls_cert: str | None = option(None, "TLS between all services (and on the public gRPC port): the certificate "
+                                        "(PEM) every service serves and presents as a client (give it both server "
+                                        "and client use and the addresses as SANs)")
+    tls_key: str | None = option(None, "TLS: that certificate's private key (PEM)")
+    tls_ca: str | None = option(None, "TLS: the CA (PEM) that signed the certificates; every service verifies "
+                                      "its peers with it")
+    tls_client_auth: bool = option(True, "with TLS: mutual TLS, every service refuses clients without a "
+                                         "certificate signed by the CA (the public gRPC port too)")
 
     def __post_init__(self) -> None:
         if self.target_replicas < 1:
@@ -44,6 +58,8 @@ class ServeConfig:
             raise ValueError(f"expert_shards must be >= 0, got {self.expert_shards}")
         if self.speculative and self.draft:
             raise ValueError("give --speculative (in the target) or --draft (a draft service), not both")
+        if len({bool(self.tls_cert), bool(self.tls_key), bool(self.tls_ca)}) > 1:
+            raise ValueError("TLS needs all three of --tls-cert, --tls-key and --tls-ca (or none)")
 
     def target_addresses(self) -> list[str]:
         host, port = self.target_address.rsplit(":", 1)
@@ -70,12 +86,35 @@ def _expert_env(cfg: ServeConfig) -> dict[str, str] | None:
     return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")} if cfg.expert_shards else None
 
 
-def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+def _tls_args(cfg: ServeConfig, client: bool) -> list[str]:
+    """TLS flags of a child: the same certificate serves and, with mutual TLS, is presented as a client certificate.
+    `client`: the child calls other services (router, target)."""
+    if not cfg.tls_cert:
+        return []
+    out = ["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key]
+    if cfg.tls_client_auth:
+        out += ["--tls-client-ca", cfg.tls_ca]
+    if client:
+        out += ["--tls-ca", cfg.tls_ca]
+        if cfg.tls_client_auth:
+            out += ["--tls-client-cert", cfg.tls_cert, "--tls-client-key", cfg.tls_key]
+    return out
+
+
+def _client_tls(cfg: ServeConfig):
+    from shared.rpc.channel import ClientTLS
+    mutual = cfg.tls_cert and cfg.tls_client_auth
+    return ClientTLS(cfg.tls_ca, cfg.tls_cert if mutual else None, cfg.tls_key if mutual else None)
+
+
+def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float, tls=None) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from shared.rpc.channel import sync_channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address, tls, trace=False) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             for p in procs:
@@ -90,17 +129,24 @@ def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float)
     raise TimeoutError(f"the stack did not become healthy on {address} within {timeout_s:.0f} s")
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    for p in reversed(procs):                      # router first, so no new work reaches the target
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def _stop(procs: list[subprocess.Popen], grace_s: float = 35.0) -> None:
+    """Router first: it stops taking requests and drains its streams while the services behind it still run; then the
+    rest together. Each gets SIGTERM (graceful drain, up to 30 s in run_server) and is killed past `grace_s`."""
+    def stop(group: list[subprocess.Popen]) -> None:
+        for p in group:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in group:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    if procs:
+        stop(procs[-1:])                           # the router is started last
+        stop(procs[:-1])
 
 
 def main(args: argparse.Namespace) -> None:
@@ -115,6 +161,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         registry = ["--registry", cfg.registry] if cfg.registry else []
         placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
+        quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # targets and shards alike
         env = _expert_env(cfg)
         # the shards share this machine's cores with the target
         shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
@@ -123,16 +170,21 @@ def main(args: argparse.Namespace) -> None:
         for i, address in enumerate(cfg.expert_addresses()):
             shards[len(procs)] = (f"expert shard {i}", address, ["experts", "--address", address, "--shard-index", str(i),
                                                "--num-shards", str(cfg.expert_shards), "--device", cfg.device,
-                                               "--num-threads", shard_threads, *model, *placement])
+                                               "--num-threads", shard_threads, *model, *placement, *quant,
+                                               *_tls_args(cfg, client=False), "--metrics-port",
+                                               str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)])
             procs.append(_child(shards[len(procs)][2], env))
             print(f"upesi: expert shard {i} on {address} (pid {procs[-1].pid})", flush=True)
         experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
+        if experts and cfg.rebalance_interval_s:
+            experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
         spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
         if cfg.speculative:
             spec += ["--speculative", cfg.speculative]
         if cfg.draft:
             shards[len(procs)] = ("draft service", cfg.draft_address, [
-                "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device])
+                "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
+                "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=False), *model, *threads])
             procs.append(_child(shards[len(procs)][2], env))
             spec += ["--draft", cfg.draft_address]
         for i, address in enumerate(cfg.target_addresses()):
@@ -140,11 +192,12 @@ def main(args: argparse.Namespace) -> None:
             procs.append(_child(["target", "--address", address, "--replica-id", address,
                                  "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                                  "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
-                                 *model, *threads, *registry, *experts, *spec], env))
+                                 *model, *threads, *registry, *experts, *spec, *quant, *_tls_args(cfg, client=True)],
+                                env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
-                             *model, *registry]))
-        _wait_healthy(cfg.address, procs, cfg.ready_timeout_s)
+                             *model, *registry, *_tls_args(cfg, client=True)]))
+        _wait_healthy(cfg.address, procs, cfg.ready_timeout_s, _client_tls(cfg))
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "
               "(Ctrl-C to stop)", flush=True)
         while True:

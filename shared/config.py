@@ -53,7 +53,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, default=default, help=help_text,
                                 type=lambda s: [x for x in s.split(",") if x])
         else:
-            parser.add_argument(flag, type=tp, default=None if default is None else tp(default), help=help_text)
+            # a string default (an UPESI_* value) is converted by argparse only when this (sub)command is parsed,
+            # so another command's variable of the same name never breaks this one
+            parser.add_argument(flag, type=tp, default=default, help=help_text)
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:

@@ -22,3 +22,17 @@ SPEC_DRAFT = Counter("upesi_spec_draft_tokens", "Speculative tokens proposed by 
 SPEC_ACCEPTED = Counter("upesi_spec_accepted_tokens", "Speculative tokens accepted by verification")
 PREFIX_QUERIES = Counter("upesi_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("upesi_prefix_cache_hits", "Prompt tokens served from the prefix cache")
+
+
+def serve_metrics(port: int, grpc_address: str) -> None:
+    """/metrics on its own HTTP port (a daemon thread), on loopback when the service's gRPC address is loopback.
+    A port already taken is logged as an error and serving goes on without /metrics."""
+    import logging
+
+    from prometheus_client import start_http_server
+    addr = "127.0.0.1" if grpc_address.startswith(("127.", "localhost")) else "0.0.0.0"
+    try:
+        start_http_server(port, addr=addr)
+    except OSError as e:
+        logging.getLogger("upesi.metrics").error("cannot serve /metrics on %s:%d (%s); going on without it",
+                                                 addr, port, e.strerror)

@@ -9,13 +9,23 @@ from shared.config import option
 @dataclass(slots=True)
 class DraftConfig:
     address: str = option("127.0.0.1:50071", "gRPC listen address")
-    proposer: str = option("ngram", "ngram, or draft-model:PATH (a small Llama-family model sharing the tokenizer)")
+    proposer: str = option("ngram", "ngram, draft-model:PATH (a small Llama-family model sharing the tokenizer) "
+                                    "or eagle:PATH (an EAGLE-style head trained for the target by train-draft)")
+    model: str | None = option(None, "the target's checkpoint, whose embedding, final norm and LM head an eagle "
+                                     "head reuses (default: SmolLM2-135M-Instruct)")
     block_size: int = option(16, "tokens per KV block of the draft model")
     kv_blocks: int = option(2048, "KV blocks of the draft model")
     max_model_len: int = option(8192, "longest sequence the draft model handles")
     device: str = option("auto", "cpu, cuda or auto")
     num_threads: int | None = option(None, "torch CPU threads")
+    metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
+    tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
+    tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
+    tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
+                                             "clients without one are refused")
 
     def __post_init__(self) -> None:
         if self.kv_blocks < 1 or self.block_size < 1:
             raise ValueError("kv_blocks and block_size must be positive")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port out of range: {self.metrics_port}")

@@ -18,11 +18,14 @@ class SeqDelta:
     tokens: list[int]
     k: int
     params: SamplingParams
+    hidden: torch.Tensor | None = None       # [M, D] target hidden states of positions hidden_start ..
+    hidden_start: int = 0
 
 
 class DraftState:
     def __init__(self, proposer: Proposer) -> None:
         self.proposer = proposer
+        self.wants_hidden = bool(getattr(proposer, "wants_hidden", False))
         self.seqs: dict[str, Sequence] = {}
         self.lock = threading.Lock()                 # one proposer, one batch at a time
 
@@ -39,6 +42,8 @@ class DraftState:
                     seq = self.seqs[d.key] = Sequence(d.key, 0, [], d.params)
                     seq.num_prompt_tokens = 0
                 seq.token_ids = seq.token_ids[:d.base] + d.tokens
+                if self.wants_hidden and d.hidden is not None and len(d.hidden):
+                    self.proposer.accept_hidden(seq, d.hidden_start, d.hidden)
                 seqs.append(seq)
             with torch.inference_mode():
                 return self.proposer.propose(seqs, [d.k for d in deltas])

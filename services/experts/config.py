@@ -22,6 +22,12 @@ class ExpertsConfig:
     dtype: str = option("auto", "float32, bfloat16, or auto (float32 on cpu, bfloat16 on cuda)")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     progress: bool = option(False, "show a progress bar while reading the checkpoint")
+    nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16), "
+                                          "as the target's flag of the same name")
+    tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
+    tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
+    tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
+                                             "clients without one are refused")
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:

@@ -19,23 +19,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(cfg: ExpertsConfig) -> None:
-    from prometheus_client import start_http_server
-
     from services.experts.servicer import ExpertsServicer
     from services.experts.shard import ExpertShard
     from shared.model.loader import load_config, resolve_model_path
     from shared.model.placement import load_placement, num_routed_experts
+    from shared import telemetry
+    from shared.metrics import serve_metrics
+    from shared.rpc.channel import server_tls_from
     from upesi.v1 import experts_pb2_grpc
 
+    telemetry.setup_tracing("upesi-experts")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     path = resolve_model_path(cfg.model)
     placement = load_placement(cfg.expert_placement, cfg.num_shards, num_routed_experts(load_config(path)))
-    shard = ExpertShard(path, placement, cfg.shard_index, cfg.torch_dtype(), cfg.torch_device(), cfg.progress)
+    shard = ExpertShard(path, placement, cfg.shard_index, cfg.torch_dtype(), cfg.torch_device(), cfg.progress,
+                        cfg.nvfp4_act_quant)
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr="127.0.0.1" if cfg.address.startswith("127.") else "0.0.0.0")
+        serve_metrics(cfg.metrics_port, cfg.address)
     service = Service("upesi.v1.Experts", ExpertsServicer(shard), experts_pb2_grpc.add_ExpertsServicer_to_server)
-    await run_server(cfg.address, [service])
+    await run_server(cfg.address, [service], tls=server_tls_from(cfg))
 
 
 def main(args: argparse.Namespace) -> None:

@@ -17,6 +17,8 @@ from upesi.v1 import experts_pb2, experts_pb2_grpc
 COMPUTE_SECONDS = Histogram("upesi_expert_compute_seconds", "Time a shard spends computing one Dispatch",
                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
 SLOTS = Counter("upesi_expert_shard_slots_total", "(token, unit) slots computed by this shard")
+DISPATCH_TOKENS = Histogram("upesi_expert_dispatch_tokens", "Token rows per Dispatch call (the batch a shard sees)",
+                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
 
 
 def tensor_from_pb(t: experts_pb2.Tensor, field: str) -> torch.Tensor:
@@ -47,6 +49,7 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         dt = time.perf_counter() - t0
         COMPUTE_SECONDS.observe(dt)
         SLOTS.inc(ids.numel())
+        DISPATCH_TOKENS.observe(hidden.shape[0])
         return experts_pb2.DispatchResponse(output=tensor_to_pb(out), compute_s=dt)
 
     @map_errors

@@ -3,7 +3,8 @@
 Stateless between calls: a Dispatch carries every slot it needs. Units are routed experts of MoE layers
 (`layers.L.mlp.experts.E.*`, Mixtral's `block_sparse_moe.experts.E.w1/w2/w3`) or slices of dense FFNs
 (`layers.L.mlp.{gate,up,down}_proj`, sliced by intermediate neurons, see shared.model.placement). Shared experts stay
-on the target.
+on the target. Quantised checkpoints (compressed-tensors NVFP4 / FP8, as `upesi quantize` writes them, with any mix
+of precisions per layer) stay packed: see services.experts.packed.
 
 Shapes: U = token rows in a call, S = slots, D = hidden, i = a unit's intermediate width.
 """
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from services.experts import packed
 from shared.engine.sampling_params import InvalidRequest
 from shared.model.config import ModelConfig
 from shared.model.loader import iter_weights, load_config, resolve_model_path
@@ -26,27 +29,35 @@ from shared.model.placement import Placement, Unit, dense_slice, num_routed_expe
 
 log = logging.getLogger("upesi.experts")
 
-_EXPERT = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|bias)")
-_DENSE = re.compile(r"(?:model\.)?layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
+_LEAF = "(" + "|".join(packed.LEAVES) + ")"
+_EXPERT = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\." + _LEAF)
+_DENSE = re.compile(r"(?:model\.)?layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\." + _LEAF)
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 @dataclass(slots=True)
 class FfnUnit:
-    """SwiGLU on a slice: down(silu(gate(x)) * up(x))."""
-    gate_up: torch.Tensor                      # [2i, D]
-    down: torch.Tensor                         # [D, i]
+    """SwiGLU on a slice: down(silu(gate(x)) * up(x)). A linear is a float weight or a packed module (NVFP4Linear,
+    FP8Linear: the target's own, so a quantised unit computes exactly as it would in the target)."""
+    gate_up: torch.Tensor | nn.Module          # [2i, D]
+    down: torch.Tensor | nn.Module             # [D, i]
     gate_up_bias: torch.Tensor | None = None   # [2i]
     down_bias: torch.Tensor | None = None      # [D] (a dense layer's slice 0 only, so the sum adds it once)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)    # [S, i] each
-        return F.linear(F.silu(gate) * up, self.down, self.down_bias)               # [S, D]
+        gate, up = _linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)     # [S, i] each
+        return _linear(F.silu(gate) * up, self.down, self.down_bias)                # [S, D]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down, self.gate_up_bias,
-                                                          self.down_bias) if t is not None)
+        return sum(packed.nbytes(t) for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias))
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor | nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    y = w(x)
+    return y if bias is None else y + bias
 
 
 def ffn_forward(units: Mapping[int, FfnUnit], hidden: torch.Tensor, unit_ids: torch.Tensor,
@@ -71,9 +82,10 @@ def ffn_forward(units: Mapping[int, FfnUnit], hidden: torch.Tensor, unit_ids: to
 
 
 def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], bool], num_slices: int,
-               progress: bool = False) -> dict[Unit, FfnUnit]:
+               progress: bool = False, act_quant: bool = False) -> dict[Unit, FfnUnit]:
     """Streams the checkpoint tensor by tensor (a GGUF is dequantised whole) and keeps the units `wanted(layer, unit,
-    dense)` accepts; dense FFNs are cut into `num_slices` slices."""
+    dense)` accepts; dense FFNs are cut into `num_slices` slices. Quantised layers stay packed (act_quant: their
+    NVFP4 layers emulate W4A4)."""
     parts: dict[Unit, dict[str, torch.Tensor]] = defaultdict(dict)
     for name, w in iter_weights(path, cfg, progress):
         if (m := _EXPERT.fullmatch(name) or _DENSE.fullmatch(name)) and int(m[1]) >= cfg.num_layers:
@@ -87,21 +99,25 @@ def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], b
             for s in range(num_slices):
                 if not wanted(layer, s, True):
                     continue
-                lo, hi = dense_slice(w.shape[-1] if part == "down" and kind == "weight" else w.shape[0], s, num_slices)
+                lo, hi = dense_slice(packed.ffn_width(part, kind, w), s, num_slices)
                 if part == "down":
                     if kind == "bias" and s > 0:
                         continue
-                    piece = w if kind == "bias" else w[:, lo:hi]                # [D, i]
+                    piece = packed.slice_columns(kind, w, lo, hi)               # [D, i] (a bias whole)
                 else:
-                    piece = w[lo:hi]                                            # [i, D] or [i]
+                    piece = packed.slice_rows(kind, w, lo, hi)                  # [i, D] or [i]
                 parts[(layer, s)][f"{part}.{kind}"] = piece.clone()             # let the whole tensor go
     units = {}
     for unit, p in parts.items():
-        missing = {"gate.weight", "up.weight", "down.weight"} - p.keys()
+        leaves = {part: {k.split(".", 1)[1]: v for k, v in p.items() if k.startswith(part + ".") and k != "down.bias"}
+                  for part in ("gate", "up", "down")}
+        missing = [part for part, got in leaves.items() if "weight" not in got and "weight_packed" not in got]
         if missing:
-            raise ValueError(f"checkpoint {path}: layer {unit[0]} unit {unit[1]} lacks {sorted(missing)}")
+            raise ValueError(f"checkpoint {path}: layer {unit[0]} unit {unit[1]} lacks the weights of {missing}")
         bias = torch.cat([p["gate.bias"], p["up.bias"]]) if "gate.bias" in p else None
-        units[unit] = FfnUnit(torch.cat([p["gate.weight"], p["up.weight"]]), p["down.weight"], bias,
+        name = f"layer {unit[0]} unit {unit[1]}"
+        units[unit] = FfnUnit(packed.fused_linear([leaves["gate"], leaves["up"]], act_quant, f"{name} gate/up"),
+                              packed.fused_linear([leaves["down"]], act_quant, f"{name} down"), bias,
                               p.get("down.bias"))
     return units
 
@@ -110,11 +126,14 @@ class ExpertShard:
     """The units one shard holds and their batched compute."""
 
     def __init__(self, model: str | None, placement: Placement, shard_index: int, dtype: torch.dtype,
-                 device: torch.device, progress: bool = False) -> None:
+                 device: torch.device, progress: bool = False, act_quant: bool = False) -> None:
         self.path = resolve_model_path(model)
         self.cfg = load_config(self.path)
-        if self.cfg.extra.get("quantization_config"):
-            raise ValueError(f"{self.path} is a quantised checkpoint; expert shards serve float checkpoints for now")
+        qc = self.cfg.extra.get("quantization_config")
+        if qc and qc.get("quant_method") != "compressed-tensors":
+            raise ValueError(f"{self.path}: quantization method {qc.get('quant_method')!r} is not served by expert "
+                             "shards (compressed-tensors NVFP4 / FP8 only)")
+        self.act_quant = act_quant
         if placement.num_experts != num_routed_experts(self.cfg):
             raise ValueError(f"the placement has {placement.num_experts} experts per layer, the model "
                              f"{num_routed_experts(self.cfg)}")
@@ -124,7 +143,7 @@ class ExpertShard:
         self.dispatches = self.slots = 0
         t0 = time.perf_counter()
         self._add(read_units(self.path, self.cfg, lambda layer, u, d: placement.holds(shard_index, layer, u, d),
-                             placement.num_shards, progress))
+                             placement.num_shards, progress, act_quant))
         if not self.layers:
             raise ValueError(f"shard {shard_index} of {placement.num_shards} holds nothing of {self.path}: no FFN "
                              "tensors placed on it were found in the checkpoint")
@@ -142,7 +161,7 @@ class ExpertShard:
     def _add(self, units: dict[Unit, FfnUnit]) -> None:
         layers = {k: dict(v) for k, v in self.layers.items()}        # readers keep the old dicts until the swap
         for (layer, u), unit in units.items():
-            layers.setdefault(layer, {})[u] = FfnUnit(*(None if t is None else t.to(self.device, self.dtype)
+            layers.setdefault(layer, {})[u] = FfnUnit(*(packed.move(t, self.device, self.dtype)
                                                         for t in (unit.gate_up, unit.down, unit.gate_up_bias,
                                                                   unit.down_bias)))
         self.layers = layers
@@ -153,7 +172,7 @@ class ExpertShard:
         if not want:
             return 0
         found = read_units(self.path, self.cfg, lambda layer, u, d: (layer, u) in want, self.placement.num_shards,
-                           self.progress)
+                           self.progress, self.act_quant)
         if want - found.keys():
             raise InvalidRequest(f"the checkpoint has no FFN unit (layer, expert) {sorted(want - found.keys())[:8]}")
         self._add(found)

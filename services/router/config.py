@@ -18,7 +18,22 @@ class RouterConfig:
     max_n: int = option(16, "largest n (choices per request)")
     max_stop_strings: int = option(16, "most stop strings per request")
     target_wait_s: float = option(600.0, "how long to wait for the target at start-up")
+    tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
+    tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
+    tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
+                                             "clients without one are refused")
+    tls_ca: str | None = option(None, "TLS to the services this one calls: CA (PEM) that verifies them "
+                                      "(set = calls use TLS)")
+    tls_client_cert: str | None = option(None, "mTLS: the client certificate (PEM) presented to them")
+    tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
+    api_key: str | None = option(None, "require this API key (authorization: Bearer KEY) on gRPC and HTTP")
+    api_keys_file: str | None = option(None, "YAML file of API keys with per-key limits (see services/router/auth.py)")
+    max_prompt_tokens: int = option(0, "longest prompt in tokens for every caller (0 = the context window)")
+    max_output_tokens: int = option(0, "largest max_tokens for every caller; unset max_tokens is capped to it "
+                                       "(0 = the context window)")
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 1 or self.max_n < 1:
             raise ValueError("max_concurrent_requests and max_n must be positive")
+        if self.max_prompt_tokens < 0 or self.max_output_tokens < 0:
+            raise ValueError("max_prompt_tokens and max_output_tokens must be >= 0 (0 = no limit of their own)")

@@ -5,12 +5,15 @@ The gRPC servicer and the HTTP API both call `Frontend.stream`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from services.router.auth import KeyTable
 from services.router.config import RouterConfig
+from services.router.limits import Caller
 from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
@@ -60,8 +63,9 @@ class StreamChunk:
 
 class Frontend:
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, targets: list[TargetClient], info: TargetInfo,
-                 registry: PrefixRegistry | None = None) -> None:
+                 registry: PrefixRegistry | None = None, keys: KeyTable | None = None) -> None:
         self.cfg, self.tok, self.targets, self.info, self.registry = cfg, tokenizer, targets, info, registry
+        self.keys = keys or KeyTable.from_config(cfg)     # who may call, with what limits
         self.in_flight = 0
         self.load = {t.address: 0 for t in targets}          # requests this router has open on each replica
 
@@ -77,8 +81,9 @@ class Frontend:
                                          registry=self.registry)
         return next(t for t in self.targets if t.address == chosen)
 
-    def prepare(self, inp: GenerationInput) -> tuple[list[int], SamplingParams]:
-        """Validates and tokenises; raises InvalidRequest with a message a person can act on."""
+    def prepare(self, inp: GenerationInput, caller: Caller) -> tuple[list[int], SamplingParams]:
+        """Validates and tokenises within the caller's limits; raises InvalidRequest with a message a person can
+        act on."""
         if inp.prompt and inp.messages:
             raise InvalidRequest("give either prompt or messages, not both")
         if not inp.prompt and not inp.messages:
@@ -102,8 +107,10 @@ class Frontend:
         if len(ids) >= limit:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but the model's context window is {limit} "
                                  f"tokens (prompt plus output); shorten it by at least {len(ids) - limit + 1} tokens")
+        caller.check(len(ids), inp.max_tokens, n)
         room = limit - len(ids)
-        max_tokens = room if inp.max_tokens is None else inp.max_tokens
+        cap = caller.limits.max_tokens
+        max_tokens = (room if cap is None else min(room, cap)) if inp.max_tokens is None else inp.max_tokens
         if max_tokens > room:
             raise InvalidRequest(f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceed the context "
                                  f"window of {limit}; ask for at most {room}")
@@ -114,12 +121,22 @@ class Frontend:
                                 beam_width=inp.beam_width or 0, num_speculative_tokens=inp.num_speculative_tokens)
         return ids, params
 
-    async def stream(self, inp: GenerationInput, timeout: float | None = None) -> AsyncIterator[StreamChunk]:
-        """Yields each step's new text per choice; the last chunk has done=True and the usage."""
-        ids, params = self.prepare(inp)
+    async def stream(self, inp: GenerationInput, timeout: float | None = None,
+                     caller: Caller | None = None) -> AsyncIterator[StreamChunk]:
+        """Yields each step's new text per choice; the last chunk has done=True and the usage.
+        caller: from `self.keys.authenticate` (None: the anonymous caller, for servers without keys)."""
+        caller = caller or self.keys.authenticate(None)
+        ids, params = self.prepare(inp, caller)
         if self.in_flight >= self.cfg.max_concurrent_requests:
             raise Overloaded(f"{self.in_flight} requests in flight (limit {self.cfg.max_concurrent_requests}); "
                              "retry later")
+        with caller.admitted():
+            async with contextlib.aclosing(self._stream(ids, params, inp, timeout)) as chunks:   # closing it
+                async for chunk in chunks:                                         # cancels the target's work
+                    yield chunk
+
+    async def _stream(self, ids: list[int], params: SamplingParams, inp: GenerationInput,
+                      timeout: float | None) -> AsyncIterator[StreamChunk]:
         target = await self.choose_target(ids, inp.cache_salt)
         self.in_flight += 1
         self.load[target.address] += 1

@@ -17,15 +17,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(cfg: RouterConfig) -> None:
+    from services.router.auth import KeyTable
     from services.router.frontend import Frontend
     from services.router.http import build_app, start_http
-    from services.router.servicer import GenerationServicer
+    from services.router.servicer import GenerationServicer, add_to_server
     from services.router.target_client import TargetClient
     from shared.model.loader import resolve_model_path
     from shared.registry.factory import open_registry
     from shared.tokenizer import Tokenizer
-    from upesi.v1 import generation_pb2_grpc
+    from shared import telemetry
+    from shared.rpc.channel import client_tls_from, server_tls_from, set_client_tls
 
+    telemetry.setup_tracing("upesi-router")
+    set_client_tls(client_tls_from(cfg))
+    keys = KeyTable.from_config(cfg)                 # a bad keys file fails here, before waiting for targets
     targets = [TargetClient(a.strip()) for a in cfg.target.split(",") if a.strip()]
     if not targets:
         raise ValueError("--target names no address")
@@ -34,7 +39,7 @@ async def serve(cfg: RouterConfig) -> None:
     if len({i.model for i in infos}) > 1:
         raise ValueError(f"the target replicas serve different models: {sorted({i.model for i in infos})}")
     registry = open_registry(cfg.registry) if cfg.registry else None
-    frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry)
+    frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry, keys)
     http = None
 
     async def on_start() -> None:
@@ -51,9 +56,8 @@ async def serve(cfg: RouterConfig) -> None:
         if registry is not None:
             registry.close()
 
-    service = Service("upesi.v1.Generation", GenerationServicer(frontend),
-                      generation_pb2_grpc.add_GenerationServicer_to_server)
-    await run_server(cfg.address, [service], on_start=on_start, on_stop=on_stop)
+    service = Service("upesi.v1.Generation", GenerationServicer(frontend), add_to_server)
+    await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_start=on_start, on_stop=on_stop)
 
 
 def main(args: argparse.Namespace) -> None:

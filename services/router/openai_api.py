@@ -3,6 +3,7 @@
 JSON in, `Frontend.stream`, JSON or server-sent events out; no protobuf here. Every error leaves in OpenAI's body,
 {"error": {"message", "type", "param", "code"}}, with the HTTP status of the gRPC code that `status_for` gives, so
 the two APIs fail alike. Extensions beyond OpenAI's fields: `top_k` (-1 or 0 = no limit), `ignore_eos`, `cache_salt`.
+When the router has API keys (auth.py), every route here needs `Authorization: Bearer <key>` (401 otherwise).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -24,7 +26,7 @@ from starlette.background import BackgroundTask
 from services.router.frontend import Frontend, GenerationInput, StreamChunk
 from shared import metrics
 from shared.engine.sampling_params import InvalidRequest
-from shared.rpc.errors import PeerUnavailable, status_for
+from shared.rpc.errors import PeerUnavailable, Unauthenticated, status_for
 
 log = logging.getLogger("upesi.router.http")
 T = TypeVar("T")
@@ -34,6 +36,7 @@ Code = grpc.StatusCode
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
     Code.NOT_FOUND: (404, "invalid_request_error"),
+    Code.UNAUTHENTICATED: (401, "invalid_request_error"),
     Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
     Code.INTERNAL: (500, "server_error"),
@@ -175,12 +178,21 @@ def error_body(exc: BaseException) -> tuple[grpc.StatusCode, int, dict]:
         status, message, param, code = exc.status, str(exc), exc.param, exc.code
     else:
         (status, message), param, code = status_for(exc), None, None
+    if isinstance(exc, Unauthenticated) and not exc.missing:
+        code = "invalid_api_key"                                  # as OpenAI answers a wrong key
     http, kind = _HTTP.get(status, (503, "service_unavailable_error"))
     if status is Code.INTERNAL:
         log.exception("unhandled error in the HTTP API", exc_info=exc)
     else:
         log.info("HTTP API -> %d: %s", http, message)
     return status, http, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(exc: BaseException) -> tuple[grpc.StatusCode, JSONResponse]:
+    """The HTTP answer to a refused request; a 401 also names the scheme to use."""
+    code, http, body = error_body(exc)
+    headers = {"WWW-Authenticate": "Bearer"} if http == 401 else None
+    return code, JSONResponse(body, status_code=http, headers=headers)
 
 
 def _usage(c: StreamChunk) -> dict:
@@ -242,16 +254,18 @@ class _Reply:
 
 
 async def _collect(gen: AsyncIterator[StreamChunk], n: int) -> tuple[list[str], list[str | None], StreamChunk]:
-    texts, last = [""] * n, None
-    reasons: list[str | None] = [None] * n
+    # Nothing sized by n before the frontend has validated it (a client may send n = 10**12).
+    texts: dict[int, str] = defaultdict(str)
+    reasons: dict[int, str | None] = {}
+    last = None
     async for chunk in gen:
         for c in chunk.choices:
             texts[c.index] += c.text
-            reasons[c.index] = c.finish_reason or reasons[c.index]
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
         last = chunk
     if last is None:
         raise PeerUnavailable("the generation ended without an answer")
-    return texts, reasons, last
+    return [texts[i] for i in range(n)], [reasons.get(i) for i in range(n)], last
 
 
 async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator[StreamChunk, None], usage: bool,
@@ -287,22 +301,30 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
         return {"id": frontend.info.model, "object": "model", "created": started, "owned_by": "upesi"}
 
     @app.get("/v1/models")
-    async def list_models() -> dict:
-        return {"object": "list", "data": [card()]}
+    async def list_models(request: Request) -> JSONResponse:
+        try:
+            frontend.keys.authenticate(request.headers.get("authorization"))
+        except Unauthenticated as e:
+            return error_response(e)[1]
+        return JSONResponse({"object": "list", "data": [card()]})
 
     def unknown(model: str) -> ApiError:
         return ApiError(Code.NOT_FOUND, f"the model {model!r} does not exist; this server serves "
                         f"{frontend.info.model!r}", param="model", code="model_not_found")
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> JSONResponse:
+    async def get_model(model_id: str, request: Request) -> JSONResponse:
+        try:
+            frontend.keys.authenticate(request.headers.get("authorization"))
+        except Unauthenticated as e:
+            return error_response(e)[1]
         if model_id == frontend.info.model:
             return JSONResponse(card())
-        _, http, body = error_body(unknown(model_id))
-        return JSONResponse(body, status_code=http)
+        return error_response(unknown(model_id))[1]
 
     async def serve(request: Request, kind: type[_Request], method: str) -> Response:
         try:
+            caller = frontend.keys.authenticate(request.headers.get("authorization"))
             req = parse(kind, await request.body())
             if req.model is not None and req.model != frontend.info.model:
                 raise unknown(req.model)
@@ -312,7 +334,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
                            int(time.time()))
             n = inp.n or 1
             # An async generator (closed to cancel); no deadline: HTTP clients time out on their own.
-            gen = cast(AsyncGenerator[StreamChunk, None], frontend.stream(inp))
+            gen = cast(AsyncGenerator[StreamChunk, None], frontend.stream(inp, None, caller))
             if not req.stream:
                 answer = reply.whole(*await _unless_disconnected(request, _collect(gen, n)))
                 metrics.REQUESTS.labels(method, "OK").inc()
@@ -322,9 +344,9 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             metrics.REQUESTS.labels(method, "CANCELLED").inc()
             return Response(status_code=499)                # nobody reads it; nginx's "client closed request"
         except Exception as e:
-            code, http, body = error_body(e)
+            code, response = error_response(e)
             metrics.REQUESTS.labels(method, code.name).inc()
-            return JSONResponse(body, status_code=http)
+            return response
         usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _events(reply, n, first, gen, usage, method)
         # Starlette stops iterating when the client hangs up; closing the generator then cancels the generation.

@@ -1,10 +1,14 @@
 """gRPC servicer of the public Generation API: converts protobuf and calls the Frontend."""
 from __future__ import annotations
 
+from collections import defaultdict
+
 import grpc
 
 from services.router.frontend import Frontend, GenerationInput, StreamChunk
+from services.router.limits import Caller
 from shared import metrics
+from shared.engine.sampling_params import InvalidRequest
 from shared.rpc.errors import map_errors, status_for
 from upesi.v1 import generation_pb2, generation_pb2_grpc
 
@@ -16,6 +20,33 @@ def input_from_pb(req: generation_pb2.GenerateRequest) -> GenerationInput:
                            top_k=opt("top_k"), seed=opt("seed"), n=opt("n"), stop=list(req.stop),
                            ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
                            beam_width=opt("beam_width"), num_speculative_tokens=opt("num_speculative_tokens"))
+
+
+def parse_request(data: bytes) -> generation_pb2.GenerateRequest | None:
+    """Bytes that are no GenerateRequest become None, which the servicer refuses with INVALID_ARGUMENT (grpc's
+    own handling of a parse error answers UNKNOWN with the exception's text)."""
+    try:
+        return generation_pb2.GenerateRequest.FromString(data)
+    except Exception:                                 # DecodeError, or anything else the parser may raise
+        return None
+
+
+def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """The generated add_GenerationServicer_to_server, with parse_request as the request parser."""
+    out = generation_pb2.GenerateResponse.SerializeToString
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(servicer.Generate, parse_request, out),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(servicer.GenerateStream, parse_request, out),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("upesi.v1.Generation", handlers),))
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    """The request's `authorization` metadata (gRPC keys are lower-case)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return value
+    return None
 
 
 def _spec(chunk: StreamChunk) -> generation_pb2.SpecStats:
@@ -45,14 +76,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
+    def _caller(self, request: generation_pb2.GenerateRequest | None, context: grpc.aio.ServicerContext) -> Caller:
+        caller = self.frontend.keys.authenticate(_authorization(context))        # before looking at the body
+        if request is None:                      # parse_request could not parse the bytes
+            raise InvalidRequest("the request body is not a valid upesi.v1.GenerateRequest message")
+        return caller
+
     @map_errors
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         with _Counted("Generate"):
+            caller = self._caller(request, context)
             inp = input_from_pb(request)
-            n = inp.n or 1
-            texts, ids, reasons = [""] * n, [[] for _ in range(n)], [""] * n
+            # Nothing sized by n before the frontend has validated it (n may be 2^32 - 1 here).
+            texts: dict[int, str] = defaultdict(str)
+            ids: dict[int, list[int]] = defaultdict(list)
+            reasons: dict[int, str] = defaultdict(str)
             last = None
-            async for chunk in self.frontend.stream(inp, context.time_remaining()):
+            async for chunk in self.frontend.stream(inp, context.time_remaining(), caller):
                 for c in chunk.choices:
                     texts[c.index] += c.text
                     ids[c.index].extend(c.token_ids)
@@ -61,12 +101,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return generation_pb2.GenerateResponse(
                 request_id=request.request_id, usage=_usage(last), spec=_spec(last),
                 choices=[generation_pb2.Choice(index=i, text=texts[i], token_ids=ids[i], finish_reason=reasons[i])
-                         for i in range(n)])
+                         for i in range(inp.n or 1)])
 
     @map_errors
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         with _Counted("GenerateStream"):
-            async for chunk in self.frontend.stream(input_from_pb(request), context.time_remaining()):
+            caller = self._caller(request, context)
+            async for chunk in self.frontend.stream(input_from_pb(request), context.time_remaining(), caller):
                 msg = generation_pb2.GenerateResponse(request_id=request.request_id, choices=[
                     generation_pb2.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
                                           finish_reason=c.finish_reason or "") for c in chunk.choices])

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import grpc
 
 from shared.engine.sampling_params import SamplingParams
+from shared.rpc.channel import ClientTLS, aio_channel
 from shared.rpc.errors import PeerUnavailable
-from shared.rpc.server import server_options
 from upesi.v1 import target_pb2, target_pb2_grpc
 
 
@@ -32,9 +32,9 @@ class StepOutput:
 
 
 class TargetClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=server_options())
+        self.channel = aio_channel(address, tls)        # tls None: the router's own settings (set_client_tls)
         self.stub = target_pb2_grpc.TargetStub(self.channel)
 
     async def wait_info(self, timeout_s: float) -> TargetInfo:
@@ -59,12 +59,18 @@ class TargetClient:
                                                stop_token_ids=params.stop_token_ids,
                                                cache_salt=params.cache_salt, beam_width=params.beam_width,
                                                num_speculative_tokens=params.num_speculative_tokens))
-        call = self.stub.Generate(req, timeout=timeout)
+        call = self.stub.Generate(req, timeout=timeout)      # the deadline travels to the target with the call
+        unfinished = params.n
         try:
             async for msg in call:
-                yield StepOutput([(d.index, list(d.token_ids), d.finish_reason or None) for d in msg.deltas],
+                out = StepOutput([(d.index, list(d.token_ids), d.finish_reason or None) for d in msg.deltas],
                                  {d.index: (d.draft_tokens, d.accepted_tokens) for d in msg.deltas},
                                  msg.prompt_tokens, msg.cached_tokens)
+                unfinished -= sum(1 for d in msg.deltas if d.finish_reason)
+                if unfinished <= 0:       # the target ends the stream after the last finish: read that end now, so
+                    async for _ in call:  # the call completes (and its trace span ends) though the caller stops
+                        pass              # reading at the last answer
+                yield out
         finally:
             call.cancel()
 

@@ -34,12 +34,27 @@ class TargetConfig:
     expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards "
                                                 "(default: contiguous)")
     expert_timeout_s: float = option(5.0, "deadline of one call to an expert shard; past it the shard counts as down")
+    tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
+    tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
+    tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
+                                             "clients without one are refused")
+    tls_ca: str | None = option(None, "TLS to the services this one calls: CA (PEM) that verifies them "
+                                      "(set = calls use TLS)")
+    tls_client_cert: str | None = option(None, "mTLS: the client certificate (PEM) presented to them")
+    tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
+    rebalance_interval_s: float = option(0.0, "expert shards: check the measured expert load every this many seconds "
+                                              "and replicate hot experts when shards are out of balance (0 = off)")
+    rebalance_threshold: float = option(1.25, "rebalance when an MoE layer's busiest shard carries more than this "
+                                              "times the mean shard load")
+    rebalance_extra: int = option(2, "replicas the rebalancer adds per unbalanced layer per round")
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.expert_timeout_s <= 0:
             raise ValueError(f"expert_timeout_s must be positive, got {self.expert_timeout_s}")
+        if self.rebalance_interval_s < 0 or self.rebalance_threshold < 1 or self.rebalance_extra < 1:
+            raise ValueError("rebalance_interval_s must be >= 0, rebalance_threshold >= 1 and rebalance_extra >= 1")
         if self.expert_shards is not None and not self.expert_addresses():
             raise ValueError("expert_shards is set but names no address")
 

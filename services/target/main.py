@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from services.target.config import TargetConfig
-from shared import metrics
+from shared import metrics, telemetry
 from shared.config import add_config_arguments, config_from_args
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import LLMEngine
@@ -51,6 +51,17 @@ class StepObserver:
             self.publisher.set_load(len(sch.waiting), len(sch.running))
 
 
+class TracedAsyncEngine(AsyncEngine):
+    """Hands each request's trace context (the gRPC handler's) to the engine thread, which keeps it on the request's
+    sequences for the spans it records (prefill, verify, propose, expert dispatch). Only used when tracing is on."""
+
+    def generate(self, request_id: str, prompt: list[int], params):
+        ctx = telemetry.current_context()
+        if ctx is not None:
+            self.engine.trace_parents[request_id] = ctx
+        return super().generate(request_id, prompt, params)
+
+
 def _publisher(cfg: TargetConfig):
     if not cfg.registry:
         return None
@@ -79,34 +90,47 @@ def _attach_expert_shards(cfg: TargetConfig, engine: LLMEngine):
     return client
 
 
-async def serve(cfg: TargetConfig) -> None:
-    from prometheus_client import start_http_server
+def _start_rebalancer(cfg: TargetConfig, client):
+    """Replicates hot experts while serving (--rebalance-interval-s), on its own thread; None when off."""
+    if client is None or not cfg.rebalance_interval_s:
+        return None
+    from shared.model.rebalance import Rebalancer
+    return Rebalancer(client, cfg.rebalance_interval_s, cfg.rebalance_threshold, cfg.rebalance_extra).start()
 
+
+async def serve(cfg: TargetConfig) -> None:
     from services.target.servicer import TargetServicer
+    from shared.rpc.channel import client_tls_from, server_tls_from, set_client_tls
     from upesi.v1 import target_pb2_grpc
 
+    telemetry.setup_tracing("upesi-target")
+    set_client_tls(client_tls_from(cfg))             # the draft's and expert shards' channels
     engine = LLMEngine(cfg.engine_config())
     if cfg.draft:                                   # proposals from a draft service, one batched call per step
         from services.target.remote_proposer import RemoteProposer
         engine.proposer = RemoteProposer(cfg.draft)
     experts = _attach_expert_shards(cfg, engine)
+    rebalancer = _start_rebalancer(cfg, experts)
     metrics.KV_BLOCKS_TOTAL.set(engine.block_manager.num_blocks)
     publisher = _publisher(cfg)
-    async_engine = AsyncEngine(engine, on_step=StepObserver(publisher))
+    engine_cls = TracedAsyncEngine if telemetry.ENABLED else AsyncEngine
+    async_engine = engine_cls(engine, on_step=StepObserver(publisher))
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr="127.0.0.1" if cfg.address.startswith("127.") else "0.0.0.0")
+        metrics.serve_metrics(cfg.metrics_port, cfg.address)
     service = Service("upesi.v1.Target", TargetServicer(async_engine), target_pb2_grpc.add_TargetServicer_to_server)
 
     async def stop() -> None:
         async_engine.stop()
         if publisher is not None:
             publisher.stop()
+        if rebalancer is not None:
+            rebalancer.stop()
         if experts is not None:
             experts.close()
 
     log.info("model %s: %d KV blocks of %d tokens, context %d, registry %s", engine.model_path,
              engine.block_manager.num_blocks, cfg.block_size, engine.max_model_len, cfg.registry or "none")
-    await run_server(cfg.address, [service], on_stop=stop)
+    await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_stop=stop)
 
 
 def main(args: argparse.Namespace) -> None:

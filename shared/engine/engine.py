@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared import telemetry
 from shared.engine.beam import BeamGroup
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import ModelRunner
@@ -58,15 +59,18 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         self.proposer = make_proposer(cfg.speculative, cfg.draft_kv_blocks, cfg.block_size, dtype, device,
-                                      self.max_model_len) if cfg.speculative else None
+                                      self.max_model_len, target=model) if cfg.speculative else None
         self.requests: dict[str, list[Sequence]] = {}
         self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
         self.beam_groups: dict[str, BeamGroup] = {}              # request id -> its beam search
         self.stats_draft = self.stats_accepted = 0               # speculative tokens proposed / accepted
+        self.trace_parents: dict[str, object] = {}               # request id -> trace context, set by the caller
+        self._step_ns = 0                                        # tracing: when this step began
         self.last_step_s = 0.0
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        trace_ctx = self.trace_parents.pop(request_id, None) if self.trace_parents else None
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running")
         if not prompt:
@@ -83,6 +87,8 @@ class LLMEngine:
                                  f"{self.block_manager.num_blocks} in all (block size {self.cfg.block_size})")
         extra = cache_extra(self.model_cfg.name, params.cache_salt)
         seqs = [Sequence(request_id, i, prompt, params, extra) for i in range(params.n)]
+        for s in seqs:
+            s.trace_ctx = trace_ctx
         self.requests[request_id] = seqs
         self.scheduler.add(seqs[0])
         if params.beam_width > 1:
@@ -125,11 +131,19 @@ class LLMEngine:
         bm = self.block_manager
         self.runner.copy_blocks(bm.pending_copies)
         bm.pending_copies.clear()
-        logits, groups = self.runner.run(batch)
+        hidden_from = self._hidden_starts(batch)
+        traced = telemetry.traced_contexts(batch.seqs)
+        if traced:
+            self._step_ns = telemetry.now_ns()
+            telemetry.prefill_starting(batch.seqs)
+        with telemetry.step_scope(traced):           # expert dispatch spans (parent: the first traced request)
+            logits, groups = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             if not seq.spec_tokens:
                 bm.commit(seq)                           # verified sequences commit after their rollback
+        if traced:
+            telemetry.prefill_done(batch.seqs)
         sampled, rows, deltas = [], [], []
         for b, row, count in groups:
             seq = batch.seqs[b]
@@ -154,6 +168,8 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(seq, reason)
             deltas.append(self._delta(seq, [tok]))
+        if hidden_from is not None:
+            self._hand_hidden(batch, hidden_from)
         for rid in {d.request_id for d in deltas if d.finish_reason}:
             self._forget_finished(rid)
         self.last_step_s = time.perf_counter() - t0
@@ -226,7 +242,9 @@ class LLMEngine:
                     ks.append(k)
         if not seqs:
             return
-        for seq, (tokens, probs) in zip(seqs, self.proposer.propose(seqs, ks)):
+        with telemetry.span_in("propose", telemetry.traced_contexts(seqs), {"upesi.seqs": len(seqs)}):
+            proposals = self.proposer.propose(seqs, ks)
+        for seq, (tokens, probs) in zip(seqs, proposals):
             if tokens:
                 seq.token_ids.extend(tokens)
                 seq.spec_tokens, seq.spec_probs = list(tokens), probs
@@ -246,6 +264,9 @@ class LLMEngine:
         seq.spec_tokens, seq.spec_probs = [], None
         seq.num_draft_tokens += len(draft)
         seq.num_accepted_tokens += n
+        if seq.trace_ctx is not None and telemetry.ENABLED:
+            telemetry.span_between("verify", seq.trace_ctx, self._step_ns,
+                                   {"upesi.draft_tokens": len(draft), "upesi.accepted_tokens": n})
         self.stats_draft += len(draft)
         self.stats_accepted += n
         seq.spec_k = seq.spec_k + 1 if n == len(draft) else max(1, seq.spec_k - (n == 0))   # adaptive K
@@ -262,6 +283,23 @@ class LLMEngine:
         if reason:
             self.scheduler.finish(seq, reason)
         return self._delta(seq, emitted)
+
+    def _hidden_starts(self, batch) -> list[int] | None:
+        """Where each sequence's rows begin, when the proposer reads the target's hidden states (else None)."""
+        if not getattr(self.proposer, "wants_hidden", False):
+            return None
+        self.runner.capture_hidden()
+        return [seq.num_computed_tokens for seq in batch.seqs]
+
+    def _hand_hidden(self, batch, starts: list[int]) -> None:
+        """Gives the proposer the hidden states [M, D] of each sequence's positions whose inputs were accepted:
+        every computed row of a plain step, the accepted drafts' rows + 1 of a verification (views, no copy)."""
+        hidden, row = self.runner.last_hidden, 0                       # [T, D]
+        for seq, n, start in zip(batch.seqs, batch.num_tokens, starts):
+            keep = min(n, seq.num_computed_tokens - start)
+            if keep > 0 and not seq.is_finished and seq.request_id not in self.beam_groups:
+                self.proposer.accept_hidden(seq, start, hidden[row:row + keep])
+            row += n
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

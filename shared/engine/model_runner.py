@@ -31,6 +31,21 @@ class ModelRunner:
         for _ in range(cfg.num_layers):
             k = torch.zeros(shape, dtype=dtype, device=device)
             self.kv_caches.append((k, k if shared else torch.zeros(shape, dtype=dtype, device=device)))
+        self.last_hidden: torch.Tensor | None = None     # [T, D] of the last run, when capture is on
+        self._capture = None
+
+    def capture_hidden(self) -> None:
+        """From now on keep a reference (no copy) to each step's last hidden states before the final norm, which
+        is what EAGLE-style heads read; off by default, so other paths do no extra work."""
+        if self._capture is not None:
+            return
+        norm = getattr(self.model, "norm", None)
+        if norm is None:
+            raise ValueError(f"{type(self.model).__name__} has no final norm to take hidden states from")
+
+        def keep(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            self.last_hidden = args[0]                                             # [T, D]
+        self._capture = norm.register_forward_pre_hook(keep)
 
     @staticmethod
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,

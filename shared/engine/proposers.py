@@ -5,6 +5,8 @@
 - "draft-model:PATH": a small Llama-family checkpoint sharing the target's tokenizer, with its own paged KV. It
   keeps a mirror of each target sequence, rolls it back to the accepted tokens before every proposal, and samples
   K tokens with the request's own temperature / top-p / top-k, returning their probabilities q.
+- "eagle:PATH": an EAGLE-style head (shared.engine.eagle_proposer) fed with the target's hidden states; a proposer
+  that needs them says so with `wants_hidden = True` and receives them through `accept_hidden`.
 Shapes: K = draft tokens, V = vocab.
 """
 from __future__ import annotations
@@ -23,6 +25,9 @@ Proposal = tuple[list[int], torch.Tensor | None]          # tokens, q [K, V] or 
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]: ...
     def release(self, seq_id: int) -> None: ...
+    # Optional: a proposer with `wants_hidden = True` also gets, after every step, the target's last hidden states
+    # (before the final norm) [M, D] of the positions start .. start + M - 1 whose inputs were accepted:
+    #     def accept_hidden(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None
 
 
 class NgramProposer:
@@ -125,13 +130,17 @@ class DraftModelProposer:
 
 
 def make_proposer(spec: str, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                  max_len: int) -> Proposer:
-    """`ngram` or `draft-model:PATH`."""
+                  max_len: int, target: torch.nn.Module | None = None, target_path: str | None = None) -> Proposer:
+    """`ngram`, `draft-model:PATH` or `eagle:PATH`. An eagle head takes the target's embedding, final norm and LM
+    head from `target` (in-process) or else from the checkpoint at `target_path` (None = the default model)."""
+    from shared.engine.eagle_proposer import make_eagle
+
     kind, _, arg = spec.partition(":")
     factories: dict[str, Callable[[], Proposer]] = {
         "ngram": lambda: NgramProposer(),
         "draft-model": lambda: DraftModelProposer(arg, num_blocks, block_size, dtype, device, max_len),
+        "eagle": lambda: make_eagle(arg, dtype, device, target, target_path),
     }
-    if kind not in factories or (kind == "draft-model" and not arg):
-        raise ValueError(f"unknown speculative proposer {spec!r}; use 'ngram' or 'draft-model:PATH'")
+    if kind not in factories or (kind != "ngram" and not arg):
+        raise ValueError(f"unknown speculative proposer {spec!r}; use 'ngram', 'draft-model:PATH' or 'eagle:PATH'")
     return factories[kind]()

@@ -24,7 +24,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
                  "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_k",
-                 "num_draft_tokens", "num_accepted_tokens")
+                 "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -47,6 +47,8 @@ class Sequence:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.finish_reason: str | None = None
+        self.trace_ctx = None                    # the request's OpenTelemetry context (None: not traced)
+        self.prefill_start_ns = 0                # tracing: when the prompt began computing (-1: span recorded)
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -58,6 +60,7 @@ class Sequence:
         child = Sequence(self.request_id, self.index, [], self.params, self.cache_extra)
         child.token_ids = list(self.token_ids)
         child.num_prompt_tokens = self.num_prompt_tokens
+        child.trace_ctx, child.prefill_start_ns = self.trace_ctx, -1
         return child
 
     def drop_speculation(self) -> None:

@@ -25,11 +25,11 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 from torch import nn
 
-from shared import tensor_codec
+from shared import telemetry, tensor_codec
 from shared.model.config import ModelConfig
 from shared.model.placement import Placement, Unit, combine, plan_dispatch, replica_table
 from shared.rpc.errors import PeerUnavailable
-from shared.rpc.server import server_options
+from shared.rpc.channel import sync_channel
 from upesi.v1 import experts_pb2, experts_pb2_grpc
 
 log = logging.getLogger("upesi.remote_ffn")
@@ -59,7 +59,8 @@ class ExpertsClient:
             raise ValueError(f"{len(addresses)} expert shard addresses but the placement has {placement.num_shards}")
         self.addresses, self.placement, self.dense_layers = addresses, placement, dense_layers
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
-        self.channels = [grpc.insecure_channel(a, options=server_options() + _CHANNEL_OPTIONS) for a in addresses]
+        # TLS as this service is set up; trace context goes in per step (telemetry.StepScope), not per call
+        self.channels = [sync_channel(a, options=_CHANNEL_OPTIONS, trace=False) for a in addresses]
         self.stubs = [experts_pb2_grpc.ExpertsStub(ch) for ch in self.channels]
         n, layers = placement.num_shards, len(dense_layers)
         self.num_rpcs = 0                                          # Dispatch calls sent, every shard and attempt
@@ -112,7 +113,9 @@ class ExpertsClient:
             experts=[experts_pb2.ExpertRef(layer=layer, expert=u) for layer, u in units]), timeout=timeout_s)
             for s, units in added.items()}
         loaded = {s: f.result().loaded for s, f in futures.items()}
-        # One reference swap: a step in flight may finish on the old placement, whose units all stay loaded.
+        # One reference swap: a step in flight may finish on the old placement, whose units all stay loaded. The
+        # placement is written before the caches and readers (another thread) read a cache before the placement, so
+        # a cache never gets an entry of a placement older than itself.
         self.placement, self._replicas, self._dense_plans = new, {}, {}
         return loaded
 
@@ -154,13 +157,15 @@ class ExpertsClient:
     def _send(self, layer: int, x: torch.Tensor, flat_ids: torch.Tensor, flat_w: torch.Tensor | None, plan
               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[int, grpc.RpcError]]:
         calls = []
+        scope = telemetry.current_step()
+        md = scope.expert_dispatch_metadata(layer, x.shape[0], len(plan)) if scope is not None else None
         for s, ss in plan.items():                                             # all shards at once
             whole = ss.rows.numel() == x.shape[0]
             req = experts_pb2.DispatchRequest(
                 layer=layer, hidden=_pb(x if whole else x[ss.rows]), expert_ids=_pb(flat_ids[ss.slots]),
                 weights=None if flat_w is None else _pb(flat_w[ss.slots]),
                 token_index=None if ss.one_row_per_slot else _pb(ss.slot_rows.to(torch.int32)))
-            fut = self.stubs[s].Dispatch.future(req, timeout=self.timeout_s)
+            fut = self.stubs[s].Dispatch.future(req, timeout=self.timeout_s, metadata=md)
             fut.add_done_callback(partial(_observe, self._seconds[s], time.perf_counter()))
             self.num_rpcs += 1
             self.rpcs_per_shard[s] += 1
@@ -194,10 +199,11 @@ class ExpertsClient:
         avoid = self._avoid()
         if not dense:
             return plan_dispatch(ids, self._replica_table(layer, dense, avoid))
+        plans = self._dense_plans                         # before the placement: see apply_placement
         key = (layer if layer in self.placement.layers else -1, avoid, ids.shape[0])
-        plan = self._dense_plans.get(key)                 # a dense layer's plan depends only on T
+        plan = plans.get(key)                             # a dense layer's plan depends only on T
         if plan is None:
-            plan = self._dense_plans[key] = plan_dispatch(ids, self._replica_table(layer, dense, avoid))
+            plan = plans[key] = plan_dispatch(ids, self._replica_table(layer, dense, avoid))
         return plan
 
     def _avoid(self) -> frozenset[int]:
@@ -205,11 +211,12 @@ class ExpertsClient:
         return frozenset(s for s, until in enumerate(self._down_until) if until > now)
 
     def _replica_table(self, layer: int, dense: bool, avoid: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self._replicas                            # before the placement: see apply_placement
         p = self.placement
         key = (layer if layer in p.layers else -1, dense, avoid)
-        table = self._replicas.get(key)
+        table = cache.get(key)
         if table is None:
-            table = self._replicas[key] = replica_table(p.table(layer, dense), avoid)
+            table = cache[key] = replica_table(p.table(layer, dense), avoid)
         return table
 
     def close(self) -> None:

@@ -60,7 +60,10 @@ def linear_units(model: nn.Module) -> list[Unit]:
             continue
         prefix, _, short = name.rpartition(".")
         if short in parts:
-            offsets = model._fused_offsets(short)
+            # as load_weights: q/k/v rows from the config; gate/up halves of this module's own rows (MoE experts,
+            # shared experts and dense MLPs differ in width)
+            offsets = model._fused_offsets(short) if short == "qkv_proj" else [0, mod.out_features // 2,
+                                                                                mod.out_features]
             segments = tuple(b - a for a, b in pairwise(offsets))
             if sum(segments) != mod.out_features:
                 raise CheckpointFormatError(f"{name}: fused rows {segments} do not add up to {mod.out_features}")

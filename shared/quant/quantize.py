@@ -87,6 +87,10 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     units = _units(cfg)                                          # unit -> (checkpoint names, rows, in features)
     rules = pol.DEFAULT_RULES + (pol.load_rules(policy) if policy not in (None, "auto") else [])
     chosen, notes = pol.resolve({u: v[0] for u, v in units.items()}, rules)
+    for u, (_, _, k) in units.items():            # NVFP4 blocks run along K in 16s: a narrower K cannot be packed
+        if chosen[u] == "nvfp4" and k % 16:
+            chosen[u] = "bf16"
+            notes.append(f"{u}: {k} input features are not a multiple of 16, kept in bf16")
     if policy == "auto":
         budget, base = pol.parse_size(memory_budget or 0), _weight_bytes(cfg, units, chosen, rules, act_quant)
         if budget < base:
@@ -117,7 +121,7 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     layers = {n: chosen[u] for u, (names, _, _) in units.items() for n in names}
     layers[pol.EMBEDDINGS] = pol.precision_of(pol.EMBEDDINGS, rules)
     amax = {n: found[u].input_amax for u, (names, _, _) in units.items() for n in names if u in found}
-    weights = weights if weights is not None else iter_weights(src, cfg, progress=False)
+    weights = weights if weights is not None else _our_names(iter_weights(src, cfg, progress=False), cfg)
     tensors = _convert(weights, cfg, layers, amax if act_quant else {}, quantised, progress)
 
     os.makedirs(out, exist_ok=True)
@@ -142,6 +146,7 @@ def _units(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]
     Raises PolicyError for an architecture with weight matrices that are not nn.Linear (batched MoE experts, say),
     which this command would otherwise leave in fp32 unnoticed.
     """
+    from shared.model.moe import Router
     from shared.model.registry import ARCHITECTURES
     if cfg.architecture not in ARCHITECTURES:
         raise pol.PolicyError(f"architecture {cfg.architecture!r} is not supported; known: {sorted(ARCHITECTURES)}")
@@ -150,6 +155,7 @@ def _units(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]
     units = linear_units(model)
     covered = {f"{u.name}.weight" for u in units}
     covered |= {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    covered |= {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Router)}   # MoE gates: kept fp32
     others = [n for n, p in model.named_parameters() if p.ndim >= 2 and n not in covered]
     if others:
         raise pol.PolicyError(f"{cfg.architecture}: {len(others)} weight tensors are not linear layers this command "
@@ -163,6 +169,17 @@ def _weight_bytes(cfg: ModelConfig, units: dict, chosen: dict[str, pol.Precision
     embed = pol.bytes_per_layer(pol.precision_of(pol.EMBEDDINGS, rules), cfg.vocab_size, cfg.hidden_size)
     norms = 4 * cfg.hidden_size * (2 * cfg.num_layers + 1)
     return total + embed + norms
+
+
+def _our_names(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors under the names our model's layers have (Mixtral's block_sparse_moe.experts.E.w1 ->
+    mlp.experts.E.gate_proj, ...), the names the policy, the precisions and the written config use."""
+    from shared.model.registry import ARCHITECTURES
+    renames = getattr(ARCHITECTURES[cfg.architecture], "_RENAMES", ())
+    for name, w in weights:
+        for old, new in renames:
+            name = name.replace(old, new)
+        yield name, w
 
 
 def _tokenizer(src: str):

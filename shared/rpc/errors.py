@@ -19,6 +19,14 @@ class Overloaded(RuntimeError):
     """Too many requests in flight; maps to RESOURCE_EXHAUSTED."""
 
 
+class Unauthenticated(RuntimeError):
+    """No API key, or a wrong one, where the server requires one; maps to UNAUTHENTICATED (HTTP 401)."""
+
+    def __init__(self, message: str, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing                      # no key at all (OpenAI's body then has no error code)
+
+
 class PeerUnavailable(RuntimeError):
     """A service this one depends on cannot be reached; maps to UNAVAILABLE."""
 
@@ -26,6 +34,7 @@ class PeerUnavailable(RuntimeError):
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (EngineDead, grpc.StatusCode.UNAVAILABLE),
 ]

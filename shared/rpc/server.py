@@ -1,4 +1,4 @@
-"""The one bootstrap every service uses: aio server, health, reflection, signals and graceful stop."""
+"""The one bootstrap every service uses: aio server, health, reflection, tracing, TLS, signals and graceful stop."""
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +11,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared import telemetry
+from shared.rpc.channel import MAX_MESSAGE_BYTES, ServerTLS, message_options
+
 log = logging.getLogger("upesi.server")
 
-MAX_MESSAGE_BYTES = 256 * 2**20
+__all__ = ["MAX_MESSAGE_BYTES", "Service", "run_server", "server_options", "setup_logging"]
 
 
 @dataclass(slots=True)
@@ -24,22 +27,26 @@ class Service:
 
 
 def server_options() -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    return message_options()
 
 
-async def run_server(address: str, services: list[Service], *, grace_s: float = 5.0,
+async def run_server(address: str, services: list[Service], *, grace_s: float = 30.0,
+                     tls: ServerTLS | None = None,
                      on_start: Callable[[], Awaitable[None]] | None = None,
                      on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serves until SIGTERM or SIGINT, then reports NOT_SERVING, lets in-flight calls finish and stops."""
-    server = grpc.aio.server(options=server_options())
+    """Serves until SIGTERM or SIGINT, then reports NOT_SERVING, lets in-flight calls finish and stops.
+
+    With `tls` the port serves TLS (mTLS when it names a client CA). Each call gets a SERVER span when tracing is
+    on (telemetry.setup_tracing, called by the service before this)."""
+    server = grpc.aio.server(options=server_options(), interceptors=telemetry.server_interceptors() or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for s in services:
         s.add_to_server(s.servicer, server)
     names = [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    creds = tls.credentials() if tls else None
+    port = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
@@ -47,7 +54,8 @@ async def run_server(address: str, services: list[Service], *, grace_s: float = 
         await on_start()
     for name in [""] + [s.name for s in services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s", ", ".join(s.name for s in services), address)
+    log.info("serving %s on %s%s", ", ".join(s.name for s in services), address,
+             "" if creds is None else " (mTLS)" if tls.client_ca else " (TLS)")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -61,6 +69,7 @@ async def run_server(address: str, services: list[Service], *, grace_s: float = 
     await server.stop(grace_s)
     if on_stop:
         await on_stop()
+    telemetry.shutdown_tracing()
     stopper.cancel()
 
 

@@ -22,15 +22,27 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_eagle(tiny):
+    """A random EAGLE head for the tiny target (reduced vocab of 48 of its 96 tokens)."""
+    from shared.engine.eagle import EagleHead, head_config_for
+    from shared.model.loader import load_config
+    torch.manual_seed(0)
+    head = EagleHead(head_config_for(load_config(tiny), 48))
+    head.id_map = torch.randperm(96)[:48].sort().values
+    head.save(f"{tiny}/eagle")
+    return f"{tiny}/eagle"
+
+
+@pytest.fixture(scope="module")
 def greedy_ref(tiny):
     eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4))
     return [o[0] for o in eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("proposer", ["ngram", "draft-model"])
-def test_greedy_speculative_equals_greedy(tiny, greedy_ref, proposer, k):
-    spec = proposer if proposer == "ngram" else f"draft-model:{tiny}"
+@pytest.mark.parametrize("proposer", ["ngram", "draft-model", "eagle"])
+def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, greedy_ref, proposer, k):
+    spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}", "eagle": f"eagle:{tiny_eagle}"}[proposer]
     eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
                                  num_speculative_tokens=k))
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -39,6 +51,8 @@ def test_greedy_speculative_equals_greedy(tiny, greedy_ref, proposer, k):
     assert eng.block_manager.num_used_blocks == 0
     if proposer == "draft-model":
         assert eng.proposer.blocks.num_used_blocks == 0 and not eng.proposer.mirrors
+    if proposer == "eagle":
+        assert eng.stats_draft > 0 and not eng.proposer.states          # it drafted, and every state was freed
 
 
 def test_speculation_is_used_and_counted(tiny):

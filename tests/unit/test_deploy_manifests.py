@@ -371,6 +371,17 @@ def test_services_pdbs_and_addresses(objects, cli):
         service_port(f"{m[1]}:{m[2]}", f"{who} --registry")
     assert router.registry == target.registry
     assert router.http_host == "0.0.0.0"
+    # the target reaches the draft service and every expert shard, in shard order (shard i = StatefulSet pod i)
+    service_port(target.draft, "target --draft")
+    shards = [a.strip() for a in target.expert_shards.split(",")]
+    sts = next(w for w in workloads if w["kind"] == "StatefulSet" and w["metadata"]["name"] == "upesi-experts")
+    experts = by_command["experts"]
+    assert len(shards) == sts["spec"]["replicas"] == experts.num_shards, (shards, experts.num_shards)
+    for i, a in enumerate(shards):
+        assert _hostport(a)[0] == f"upesi-experts-{i}.upesi-experts", f"shard {i} is {a}"
+        service_port(a.split(".", 1)[1], f"target --expert-shards [{i}]")    # pod.service:port -> service:port
+    index_env = {e["name"]: e for e in _upesi_containers(sts)[0]["env"]}["UPESI_SHARD_INDEX"]
+    assert index_env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
 # ---------------------------------------------------------------------------------------------------------- Compose
@@ -414,16 +425,14 @@ def test_compose_services_and_profiles(compose):
     services = compose["services"]
     assert set(services) == {"redis", "target", "router", "draft", "experts-0", "experts-1"}
     for name, svc in services.items():
-        experimental = name == "draft" or name.startswith("experts-")
-        assert svc.get("profiles", []) == (["experimental"] if experimental else []), f"{name}: profiles"
+        assert not svc.get("profiles"), f"{name}: every service starts with a plain `docker compose up`"
         assert "healthcheck" in svc, f"{name}: no healthcheck"
         for dep, spec in svc.get("depends_on", {}).items():
             assert dep in services, f"{name} depends on unknown service {dep}"
-            assert spec["condition"] == "service_healthy", f"{name} -> {dep}: wait for service_healthy"
+            # the target decodes alone while the draft is away, so it only needs the draft started
+            wanted = "service_started" if dep == "draft" else "service_healthy"
+            assert spec["condition"] == wanted, f"{name} -> {dep}: wait for {wanted}"
             assert "healthcheck" in services[dep], f"{name} -> {dep}: {dep} has no healthcheck"
-            if not experimental:
-                assert not services[dep].get("profiles"), \
-                    f"{name} is always on but depends on {dep}, which is only in a profile"
         if name != "redis":
             assert svc["image"] == IMAGE, f"{name}: one image for every service"
             assert (ROOT / svc["build"]["context"] / "Dockerfile").is_file(), f"{name}: build context has no Dockerfile"
@@ -455,6 +464,13 @@ def test_compose_commands_use_real_flags(compose, cli):
     for ns in (router, target):
         assert ns.registry == "redis://redis:6379/0"
     assert target.metrics_port == 8061 and router.http_port == 8000 and router.http_host == "0.0.0.0"
+    host, port = _hostport(target.draft)
+    assert host == "draft" and port == _port(parsed["draft"].address), f"target --draft {target.draft}"
+    shards = [a.strip() for a in target.expert_shards.split(",")]
+    for i, a in enumerate(shards):                   # shard i of the target's list is the service with index i
+        host, port = _hostport(a)
+        assert host in parsed and port == _port(parsed[host].address), f"target --expert-shards: {a}"
+        assert (parsed[host].shard_index, parsed[host].num_shards) == (i, len(shards)), f"{host}: shard index"
 
 
 def test_compose_publishes_only_the_router_on_loopback(compose):

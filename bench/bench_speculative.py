@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Speculative decoding through the running stack: tokens/s with and without speculation, mean accepted length,
+and the measured speedup beside the bound (1 - a^(K+1)) / ((1 - a)(K c + 1)).
+
+Each configuration is one `upesi serve` (router -> target [-> draft service]) on the default model; requests are
+greedy chat prompts with 128 new tokens (EOS ignored), sent one at a time (batch 1) and 8 at once (batch 8), after a
+warm-up request. Per configuration:
+  tok/s                 completion tokens / wall time of the batch
+  tau (mean accepted)   tokens emitted per target step = completion / (completion - accepted drafts)
+  a                     per-token acceptance that gives tau at fixed K: (1 - a^(K+1)) / (1 - a) = tau
+  c                     draft-to-target cost ratio: one head step / one target decode step, measured in-process
+                        at batch 1 (eagle) on the same weights
+  bound                 (1 - a^(K+1)) / ((1 - a)(K c + 1)), beside the measured speedup over `plain`
+
+    .venv/bin/python bench/bench_speculative.py [--head models/eagle-smollm2-135m] [--k 4] [--tokens 128]
+        [--configs plain eagle-draft eagle-inproc] [--threads 1]
+
+Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from tests.conftest import Stack, free_port  # noqa: E402
+
+PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain how a hash table works.",
+    "List five tips for staying healthy.",
+    "What is photosynthesis?",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Write a polite email asking a colleague for a meeting next week.",
+    "What are the benefits of drinking water?",
+]
+
+
+def serve_args(name: str, head: str, k: int, threads: int) -> list[str]:
+    base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k)]
+    draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
+    return base + {"plain": [], "eagle-draft": draft,
+                   "eagle-inproc": ["--speculative", f"eagle:{head}"], "ngram": ["--speculative", "ngram"]}[name]
+
+
+def run_batch(stub, prompts: list[str], tokens: int, k: int | None) -> tuple[float, int, int]:
+    """Sends the prompts at once -> (wall s, completion tokens, accepted drafts)."""
+    from upesi.v1 import generation_pb2 as pb
+
+    def one(text: str):
+        req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], max_tokens=tokens,
+                                 temperature=0, ignore_eos=True)
+        if k is not None:
+            req.num_speculative_tokens = k
+        return stub.Generate(req, timeout=600)
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        out = list(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    return wall, sum(r.usage.completion_tokens for r in out), sum(r.spec.accepted_tokens for r in out)
+
+
+def measure_stack(name: str, args) -> dict[str, dict[str, float]]:
+    import grpc
+
+    from upesi.v1 import generation_pb2_grpc
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-spec-{name}-"))
+    stack = Stack(tmp, serve_args(name, args.head, args.k, args.threads))
+    try:
+        stack.wait_ready(600)
+        with grpc.insecure_channel(stack.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            run_batch(stub, PROMPTS[:1], args.tokens, None)                          # warm-up
+            res = {}
+            for batch in args.batches:
+                walls, toks, acc = 0.0, 0, 0
+                for i in range(0, len(PROMPTS) if batch == 1 else batch, batch):
+                    if batch == 1 and i >= args.batch1_requests:
+                        break
+                    w, t, a = run_batch(stub, (PROMPTS * 2)[i:i + batch], args.tokens, None)
+                    walls, toks, acc = walls + w, toks + t, acc + a
+                res[f"b{batch}"] = {"tok_s": toks / walls, "tau": toks / max(1, toks - acc)}
+            return res
+    finally:
+        stack.stop()
+
+
+def measure_cost_ratio(head: str, k: int, threads: int, reps: int = 20) -> float:
+    """c = (one eagle head step) / (one target decode step), batch 1, in this process, same weights."""
+    import torch
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(threads)
+    eng = LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.25, speculative=f"eagle:{head}",
+                                 num_speculative_tokens=k))
+    prompt = list(range(100, 160))
+    eng.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True,
+                                                num_speculative_tokens=0))
+    proposer, eng.proposer = eng.proposer, None
+    eng.runner.capture_hidden()
+    for _ in range(3):                                                  # prefill + warm-up
+        eng.step()
+    seq = eng.requests["c"][0]
+    target_s, head_s = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        eng.step()                                                      # one plain decode step of the target
+        target_s.append(time.perf_counter() - t0)
+        proposer.release(seq.seq_id)
+        hidden = eng.runner.last_hidden                                  # [1, D] of the last position
+        proposer.accept_hidden(seq, len(seq) - 2, hidden)
+        t0 = time.perf_counter()
+        proposer.propose([seq], [k])                                    # k head steps (the first over 1 feature)
+        head_s.append((time.perf_counter() - t0) / k)
+    return sorted(head_s)[reps // 2] / sorted(target_s)[reps // 2]
+
+
+def solve_a(tau: float, k: int) -> float:
+    """a with (1 - a^(K+1)) / (1 - a) = tau (bisection; the left side grows with a)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(k + 1)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head", default=str(ROOT / "models" / "eagle-smollm2-135m"))
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1, help="target threads (1 avoids OpenMP stalls on a busy machine)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batch1-requests", type=int, default=4, help="sequential requests measured at batch 1")
+    p.add_argument("--configs", nargs="+", default=["plain", "eagle-draft", "eagle-inproc"])
+    args = p.parse_args()
+
+    results = {name: measure_stack(name, args) for name in args.configs}
+    c = measure_cost_ratio(args.head, args.k, args.threads)
+    print(f"\ndefault model, greedy, {args.tokens} tokens, K = {args.k}, c = {c:.3f} (head step / target step)")
+    print(f"{'config':14} {'batch':>5} {'tok/s':>8} {'tau':>6} {'a':>6} {'speedup':>8} {'bound':>6}")
+    rows = []
+    for name, res in results.items():
+        for b, r in res.items():
+            base = results.get("plain", {}).get(b)
+            a = solve_a(r["tau"], args.k)
+            bound = (1 - a ** (args.k + 1)) / ((1 - a) * (args.k * c + 1)) if name != "plain" else 1.0
+            speedup = r["tok_s"] / base["tok_s"] if base else float("nan")
+            rows.append({"config": name, "batch": int(b[1:]), **r, "a": a, "speedup": speedup, "bound": bound})
+            print(f"{name:14} {b[1:]:>5} {r['tok_s']:8.1f} {r['tau']:6.2f} {a:6.3f} {speedup:8.2f} {bound:6.2f}")
+    print(json.dumps({"k": args.k, "tokens": args.tokens, "c": c, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Per-caller request limits: prompt length, max_tokens, n and requests in flight.
+
+The router's own flags are hard caps for every caller; an API keys file (see auth.py) may tighten them with its
+`defaults` and per key. Request-size limits raise InvalidRequest (INVALID_ARGUMENT / HTTP 400); the concurrency limit
+raises Overloaded (RESOURCE_EXHAUSTED / HTTP 429). Every message says what to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from shared.engine.sampling_params import InvalidRequest
+from shared.rpc.errors import Overloaded
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """None = no limit of its own (the context window and the router-wide caps still apply)."""
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None          # the largest max_tokens a request may ask for; unset max_tokens is capped
+    max_n: int | None = None
+    max_concurrent_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{f.name} must be a positive integer, got {v!r}")
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], where: str) -> Limits:
+        """Limits from a YAML mapping; unknown fields are an error, so a typo never loosens a limit silently."""
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"{where}: unknown limit(s) {sorted(unknown)}; known: "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def tightened(self, other: Limits) -> Limits:
+        """The stricter of the two for every field."""
+        def pick(a: int | None, b: int | None) -> int | None:
+            return b if a is None else a if b is None else min(a, b)
+        return Limits(*(pick(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)))
+
+
+class Caller:
+    """Who sent a request (one API key, or everyone when no keys are configured) and what they may ask for."""
+
+    def __init__(self, name: str, limits: Limits) -> None:
+        self.name, self.limits = name, limits
+        self.in_flight = 0                     # this caller's requests now being served (one event loop: no lock)
+
+    def __repr__(self) -> str:
+        return f"Caller({self.name!r}, {self.limits})"
+
+    @property
+    def who(self) -> str:
+        return "this server" if not self.name else f"the API key {self.name!r}"
+
+    def check(self, prompt_tokens: int, max_tokens: int | None, n: int) -> None:
+        """Raises InvalidRequest when the request is larger than this caller may ask for."""
+        lim = self.limits
+        if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
+            raise InvalidRequest(f"the prompt has {prompt_tokens} tokens but {self.who} allows at most "
+                                 f"{lim.max_prompt_tokens}; shorten it by at least "
+                                 f"{prompt_tokens - lim.max_prompt_tokens} tokens")
+        if lim.max_tokens is not None and max_tokens is not None and max_tokens > lim.max_tokens:
+            raise InvalidRequest(f"max_tokens {max_tokens} is above the limit of {self.who}; "
+                                 f"ask for at most {lim.max_tokens}")
+        if lim.max_n is not None and n > lim.max_n:
+            raise InvalidRequest(f"n {n} is above the limit of {self.who}; ask for at most {lim.max_n} choices")
+
+    @contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Holds one of this caller's concurrency slots; raises Overloaded when none is free."""
+        cap = self.limits.max_concurrent_requests
+        if cap is not None and self.in_flight >= cap:
+            raise Overloaded(f"{self.who} already has {self.in_flight} requests in flight, its limit; "
+                             "wait for one to finish, then retry")
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1

@@ -1,0 +1,227 @@
+"""`upesi train-draft`: trains an EAGLE-style head for a target by self-distillation.
+
+1. The target answers a prompt set (chat template, in-process engine, batched).
+2. Teacher forcing over prompt + answer gives the target's last hidden states at every position; the head's features
+   are those after the final norm (what the LM head reads, as in EAGLE-1) unless --no-post-norm.
+3. The reduced draft vocab is the N most frequent tokens of that text; the head learns to predict the next feature
+   (smooth L1) and the target's next-token distribution over the reduced vocab (cross-entropy on soft targets), over
+   --unroll passes: pass j reads the features pass j - 1 predicted, as draft step j does (its own predictions).
+4. Held-out prompts give the mean accepted length with the trained head (greedy, K = 4) through the real engine.
+Shapes: B = sequences in a batch, T = positions, D = hidden, N = reduced vocab.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from dataclasses import dataclass
+
+from shared.config import add_config_arguments, config_from_args, option
+
+DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "draft_prompts.txt")
+
+
+@dataclass(slots=True)
+class TrainDraftConfig:
+    model: str | None = option(None, "target model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M)")
+    prompts: str = option(DEFAULT_PROMPTS, "prompt set, one prompt per line")
+    out: str = option("models/eagle-head", "output folder: head.safetensors + eagle.json")
+    held_out: int = option(24, "prompts kept for the acceptance figure")
+    limit: int | None = option(None, "use only this many prompts of the set (after a seeded shuffle)")
+    max_tokens: int = option(128, "answer length the target generates per prompt")
+    draft_vocab: int = option(8192, "reduced draft vocab: the target's N most frequent tokens")
+    epochs: int = option(8, "passes over the training sequences")
+    batch_size: int = option(8, "sequences per optimiser step")
+    lr: float = option(1e-3, "peak learning rate (AdamW, cosine decay)")
+    cls_weight: float = option(1.0, "weight of the token cross-entropy beside the feature regression")
+    num_threads: int | None = option(None, "torch CPU threads")
+    seed: int = option(0, "shuffling and initialisation seed")
+    dtype: str = option("float16", "dtype of the saved head (float16 or bfloat16)")
+    init: str | None = option(None, "start from this trained head (same target; its id map and feature kind are kept)")
+    post_norm: bool = option(True, "a new head reads features after the target's final norm (EAGLE-1)")
+    unroll: int = option(4, "training passes per batch: pass j feeds the features pass j - 1 predicted (draft depth j)")
+
+    def __post_init__(self) -> None:
+        if min(self.epochs, self.batch_size, self.draft_vocab, self.held_out, self.unroll) < 1:
+            raise ValueError("epochs, batch_size, draft_vocab, held_out and unroll must be positive")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, TrainDraftConfig)
+
+
+def generate_answers(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy answers of the target, all prompts in flight together (continuous batching)."""
+    from tqdm import tqdm
+
+    from shared.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+        out[str(i)] = []
+    with tqdm(total=len(prompts) * max_tokens, desc="target answers", unit="tok") as bar:
+        while engine.has_unfinished():
+            for d in engine.step():
+                out[d.request_id].extend(d.token_ids)
+                bar.update(len(d.token_ids))
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def teacher_features(engine, seqs: list[list[int]]):
+    """Target hidden states before the final norm at every position of every sequence -> list of [T, D]."""
+    from tqdm import tqdm
+
+    engine.runner.capture_hidden()
+    feats = []
+    for ids in tqdm(seqs, desc="target features", unit="seq"):
+        engine.score(ids)
+        feats.append(engine.runner.last_hidden.float().clone())                 # [T, D]
+    return feats
+
+
+def reduced_vocab(seqs: list[list[int]], n: int, vocab: int, always: list[int]):
+    import torch
+
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for ids in seqs:
+        counts += torch.bincount(torch.tensor(ids), minlength=vocab)
+    counts[always] = counts.max() + 1                                            # EOS is always draftable
+    return counts.topk(min(n, vocab)).indices.sort().values                      # [N]
+
+
+def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.utils.rnn import pad_sequence
+    from tqdm import tqdm
+
+    from shared.engine.eagle import causal_mask
+
+    rng = random.Random(cfg.seed)
+    order = list(range(len(seqs)))
+    steps = cfg.epochs * ((len(order) + cfg.batch_size - 1) // cfg.batch_size)
+    params = [p for n, p in head.named_parameters()]
+    with torch.no_grad():
+        feats = [head.features(f) for f in feats]                                # the head's feature space
+    # A few feature dimensions are orders of magnitude larger than the rest (massive activations): the regression
+    # compares features divided by each dimension's spread so that it does not see only those.
+    scale = torch.cat(feats).std(0).clamp_min(1e-3)                              # [D]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps, pct_start=0.05)
+    head.train()
+    with tqdm(total=steps, desc="training head", unit="step") as bar:
+        for _ in range(cfg.epochs):
+            rng.shuffle(order)
+            for s in range(0, len(order), cfg.batch_size):
+                idx = order[s:s + cfg.batch_size]
+                lens = [len(seqs[i]) - 1 for i in idx]                          # pairs (f_p, x_{p+1}), p < L - 1
+                f_in = pad_sequence([feats[i][:-1] for i in idx], batch_first=True)      # [B, T, D]
+                f_out = pad_sequence([feats[i][1:] for i in idx], batch_first=True)      # [B, T, D]
+                toks = pad_sequence([torch.tensor(seqs[i][1:]) for i in idx], batch_first=True)   # [B, T]
+                pos = torch.arange(f_in.shape[1]).expand(len(idx), -1)
+                valid = torch.arange(f_in.shape[1])[None, :] < torch.tensor(lens)[:, None]       # [B, T]
+                mask = causal_mask([0] * len(idx), lens, f_in.device)
+                with torch.no_grad():
+                    teacher = head.logits(f_out).softmax(-1)                     # [B, T, N]
+                # Pass j as draft step j sees it: from position j - 1 on, the feature is the head's own prediction
+                # of pass j - 1 (depth j - 1), paired with the real next token as when the drafts so far were right.
+                reg = cls = 0.0
+                inp = f_in
+                for j in range(cfg.unroll):
+                    out, _, _ = head(inp, toks, pos, None, mask)                 # [B, T, D]
+                    reg = reg + F.smooth_l1_loss(out[valid] / scale, f_out[valid] / scale)
+                    cls = cls + -(teacher[valid] * head.logits(out[valid]).log_softmax(-1)).sum(-1).mean()
+                    inp = torch.cat([f_in[:, :1], out[:, :-1].detach()], dim=1)  # [B, T, D]
+                loss = reg + cfg.cls_weight * cls
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                sched.step()
+                bar.set_postfix(reg=f"{reg.item():.3f}", cls=f"{cls.item():.3f}")
+                bar.update(1)
+    head.eval()
+
+
+def acceptance(model: str | None, head_dir: str, prompts: list[list[int]], max_tokens: int, k: int
+               ) -> tuple[float, bool]:
+    """Mean accepted length (tokens per target verification step) with the head, greedy; and whether the
+    speculative output equals plain greedy output."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    eng = LLMEngine(EngineConfig(model=model, progress=False, kv_cache_gb=0.5, speculative=f"eagle:{head_dir}",
+                                 num_speculative_tokens=k))
+    verifications = 0
+    propose = eng.proposer.propose
+
+    def counting(seqs, ks):
+        nonlocal verifications
+        out = propose(seqs, ks)
+        verifications += sum(1 for t, _ in out if t)
+        return out
+    eng.proposer.propose = counting
+    spec = eng.generate(prompts, params)
+    eng.proposer = None
+    plain = eng.generate(prompts, params)
+    return (eng.stats_accepted + verifications) / max(1, verifications), spec == plain
+
+
+def main(args: argparse.Namespace) -> None:
+    import torch
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.eagle import EagleHead, head_config_for
+    from shared.engine.engine import LLMEngine
+    from shared.tokenizer import Tokenizer
+
+    cfg = config_from_args(TrainDraftConfig, args)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    with open(cfg.prompts) as f:
+        texts = [line.strip() for line in f if line.strip()]
+    if len(texts) <= cfg.held_out:
+        raise ValueError(f"{cfg.prompts} has {len(texts)} prompts; need more than --held-out {cfg.held_out}")
+    random.Random(cfg.seed).shuffle(texts)
+    texts = texts[:cfg.limit]
+    engine = LLMEngine(EngineConfig(model=cfg.model, progress=False, kv_cache_gb=1.0, max_num_seqs=64,
+                                    enable_prefix_caching=False))
+    tok = Tokenizer(engine.model_path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    test_prompts, train_prompts = prompts[:cfg.held_out], prompts[cfg.held_out:]
+    answers = generate_answers(engine, train_prompts, cfg.max_tokens)
+    seqs = [p + a for p, a in zip(train_prompts, answers)]
+    feats = teacher_features(engine, seqs)
+    mcfg = engine.model_cfg
+    if cfg.init:
+        head = EagleHead.load(cfg.init, torch.float32, torch.device("cpu"))
+    else:
+        head = EagleHead(head_config_for(mcfg, cfg.draft_vocab, cfg.post_norm))
+        head.id_map = reduced_vocab([a for a in answers], cfg.draft_vocab, mcfg.vocab_size, mcfg.eos_token_ids)
+    model = engine.runner.model
+    head.attach_target(model.embed_tokens.weight.detach(), model.norm, model.lm_head.weight.detach())
+    for p in model.norm.parameters():
+        p.requires_grad_(False)
+    del engine
+    print(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens; reduced vocab covers "
+          f"{_coverage(answers, head.id_map):.1%} of answer tokens", flush=True)
+    train(head, seqs, feats, cfg)
+    head.save(cfg.out, getattr(torch, cfg.dtype))
+    size = os.path.getsize(os.path.join(cfg.out, "head.safetensors")) / 2**20
+    print(f"saved {cfg.out} ({size:.1f} MiB) after {time.perf_counter() - t0:.0f} s", flush=True)
+    tau, same = acceptance(cfg.model, cfg.out, test_prompts, cfg.max_tokens, 4)
+    print(f"held-out ({len(test_prompts)} prompts, greedy, K = 4): mean accepted length {tau:.2f} tokens per "
+          f"target step; speculative output equals greedy output: {same}; total {time.perf_counter() - t0:.0f} s")
+
+
+def _coverage(answers: list[list[int]], id_map) -> float:
+    keep = set(id_map.tolist())
+    total = sum(len(a) for a in answers)
+    return sum(1 for a in answers for t in a if t in keep) / max(1, total)

@@ -1,0 +1,178 @@
+"""The "eagle:PATH" proposer: an EagleHead with per-sequence KV for its one layer, fed with the target's features.
+
+The engine hands it the target's hidden states of accepted positions after every step (`accept_hidden`). Each
+sequence keeps the head's KV of the positions it has processed with real target features (`real`); the K - 1
+autoregressive draft steps append KV computed from predicted features, which is rolled back before the next
+proposal (those positions are redone with real features once the target has computed them).
+q is the head's distribution over the reduced vocab, shaped by the request's temperature / top-p / top-k and
+scattered into the full vocab (zeros outside it), so rejection sampling stays exact. Greedy requests get point masses.
+Shapes: B = sequences, T = new positions, D = hidden, N = reduced vocab, V = full vocab, KVH = kv heads, Dh = head dim.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from shared.engine.eagle import EagleHead, causal_mask
+from shared.engine.proposers import Proposal
+from shared.engine.sampler import probs_from_logits
+from shared.engine.sequence import Sequence
+
+
+class HeadState:
+    """One sequence's head KV: k / v [L, KVH, Dh] for positions origin .. origin + L - 1; the first `real` of them
+    were computed from target features. `feats` [M, D] are target features of positions origin + real .. not yet run."""
+
+    __slots__ = ("origin", "k", "v", "real", "feats", "generator")
+
+    def __init__(self, origin: int, feats: torch.Tensor) -> None:
+        self.origin, self.real, self.feats = origin, 0, feats
+        self.k = self.v = None
+        self.generator: torch.Generator | None = None
+
+    @property
+    def next_feature_pos(self) -> int:
+        return self.origin + self.real + len(self.feats)
+
+    def rollback(self, length: int) -> None:
+        """Keeps the first `length` KV rows (positions origin .. origin + length - 1)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:length], self.v[:length]
+
+
+class EagleProposer:
+    wants_hidden = True
+
+    def __init__(self, head: EagleHead) -> None:
+        self.head = head
+        self.states: dict[int, HeadState] = {}
+
+    # ---------------------------------------------------------------- features in
+    def accept_hidden(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """hidden [M, D]: the target's features at positions start .. start + M - 1 (all with accepted inputs)."""
+        hidden = self.head.features(hidden.to(self.head.fc.weight.dtype))                     # [M, D]
+        st = self.states.get(seq.seq_id)
+        if st is None or start < st.origin or start > st.next_feature_pos:
+            self.states[seq.seq_id] = HeadState(start, hidden)      # new, or a gap: begin again from here
+            return
+        done = st.origin + st.real
+        if start < done:                                            # recomputed positions (preemption): roll back
+            st.real = start - st.origin
+            st.rollback(st.real)
+            st.feats = hidden
+        else:
+            st.feats = torch.cat([st.feats[:start - done], hidden])
+
+    # ---------------------------------------------------------------- proposals out
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        out: list[Proposal] = [([], None)] * len(seqs)
+        # A sequence can be drafted for when the head has features up to its second-to-last token.
+        live = [i for i, s in enumerate(seqs) if (st := self.states.get(s.seq_id)) is not None and len(st.feats)
+                and st.next_feature_pos == len(s) - 1 and ks[i] > 0]
+        if not live:
+            return out
+        states = [self.states[seqs[i].seq_id] for i in live]
+        for st in states:
+            st.rollback(st.real)                                     # forget the last drafts' KV
+        # 1) the new real features: pair (f_p, x_{p+1}) at p = origin + real ...
+        feats = [st.feats for st in states]
+        starts = [st.origin + st.real for st in states]
+        toks = [torch.tensor(seqs[i].token_ids[p + 1:p + 1 + len(f)]) for i, p, f in zip(live, starts, feats)]
+        pos = [torch.arange(p, p + len(f)) for p, f in zip(starts, feats)]
+        last = self._run(states, feats, toks, pos)                  # [B, D] predicted feature of each last pair
+        for st, f in zip(states, feats):
+            st.real += len(f)
+            st.feats = f[:0]
+        # 2) K draft steps; step j > 0 feeds back the predicted feature and drafted token
+        tokens: list[list[int]] = [[] for _ in live]
+        probs: list[list[torch.Tensor]] = [[] for _ in live]
+        kmax = max(ks[i] for i in live)
+        for step in range(kmax):
+            logits = self.head.logits(last)                          # [B, N]
+            drafted = self._choose(logits, [seqs[i] for i in live], states)
+            for b, (tok, q) in enumerate(drafted):
+                if step < ks[live[b]]:
+                    tokens[b].append(tok)
+                    if q is not None:
+                        probs[b].append(q)
+            if step + 1 == kmax:
+                break
+            nxt = [torch.tensor([tok]) for tok, _ in drafted]
+            npos = [torch.tensor([st.origin + len(st.k)]) for st in states]
+            last = self._run(states, [f[None] for f in last], nxt, npos)
+        for b, i in enumerate(live):
+            out[i] = (tokens[b], torch.stack(probs[b]) if probs[b] else None)
+        return out
+
+    def _run(self, states: list[HeadState], feats: list[torch.Tensor], toks: list[torch.Tensor],
+             pos: list[torch.Tensor]) -> torch.Tensor:
+        """One padded batched pass of the head; appends the new KV to each state -> last predicted feature [B, D]."""
+        dev = self.head.fc.weight.device
+        new_lens = [len(f) for f in feats]
+        past_lens = [0 if st.k is None else len(st.k) for st in states]
+        f = pad_sequence(feats, batch_first=True).to(dev)                                   # [B, T, D]
+        t = pad_sequence(toks, batch_first=True).to(dev)                                    # [B, T]
+        p = pad_sequence(pos, batch_first=True).to(dev)
+        past = None
+        if max(past_lens):
+            empty = self._empty_kv()
+            past = (pad_sequence([st.k if st.k is not None else empty for st in states], batch_first=True),
+                    pad_sequence([st.v if st.v is not None else empty for st in states], batch_first=True))
+        mask = causal_mask(past_lens, new_lens, dev)
+        out, k, v = self.head(f, t, p, past, mask)                                          # [B, T, D]
+        for b, (st, n) in enumerate(zip(states, new_lens)):
+            st.k = k[b, :n] if st.k is None else torch.cat([st.k, k[b, :n]])
+            st.v = v[b, :n] if st.v is None else torch.cat([st.v, v[b, :n]])
+        return out[torch.arange(len(states)), torch.tensor(new_lens) - 1]                 # [B, D]
+
+    def _empty_kv(self) -> torch.Tensor:
+        c, w = self.head.cfg, self.head.fc.weight
+        return w.new_zeros(0, c.num_kv_heads, c.head_dim)
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], states: list[HeadState]
+                ) -> list[tuple[int, torch.Tensor | None]]:
+        """logits [B, N] -> per row (full-vocab token, q [V] or None for a greedy point mass)."""
+        id_map = self.head.id_map
+        greedy = id_map[logits.argmax(-1)].tolist()
+        out: list[tuple[int, torch.Tensor | None]] = []
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        qs = None
+        if sampled:
+            ps = [seqs[b].params for b in sampled]
+            qs = probs_from_logits(logits[sampled], torch.tensor([p.temperature for p in ps]),
+                                   torch.tensor([p.top_k for p in ps]), torch.tensor([p.top_p for p in ps]))
+        row = {b: j for j, b in enumerate(sampled)}
+        for b, s in enumerate(seqs):
+            if b not in row:
+                out.append((greedy[b], None))
+                continue
+            st = states[b]
+            if st.generator is None:
+                st.generator = torch.Generator()
+                st.generator.manual_seed((s.params.seed if s.params.seed is not None else s.seq_id) * 7919 + 17)
+            q_red = qs[row[b]]                                                           # [N]
+            j = int(torch.multinomial(q_red, 1, generator=st.generator))
+            q = q_red.new_zeros(self.head.cfg.vocab_size).index_copy_(0, id_map, q_red)   # [V]
+            out.append((int(id_map[j]), q))
+        return out
+
+    def release(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+
+
+def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torch.nn.Module | None,
+               target_path: str | None) -> EagleProposer:
+    """The head at `path`, with the embedding, final norm and LM head of `target` (in-process) or of the checkpoint
+    at `target_path` (a draft service; None = the default model)."""
+    from shared.engine.eagle import load_target_parts
+
+    head = EagleHead.load(path, dtype, device)
+    if target is not None:
+        head.attach_target(target.embed_tokens.weight, target.norm, target.lm_head.weight)
+    else:
+        head.attach_target(*load_target_parts(target_path, dtype, device))
+    if head.embed.shape[0] != head.cfg.vocab_size:
+        raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
+                         f"{head.embed.shape[0]}")
+    return EagleProposer(head)

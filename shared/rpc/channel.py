@@ -1,0 +1,122 @@
+"""The one place gRPC channels and server credentials are made: TLS / mTLS from files, tracing, message sizes.
+
+Client side: a channel is secure when a CA is given (`ClientTLS.ca`, used to verify the server), and presents a
+client certificate when `cert` and `key` are given (mutual TLS). A service sets its client settings once at start-up
+(`set_client_tls`); channels made without explicit settings use them. Server side: `ServerTLS` serves TLS with a
+certificate and key; with a client CA it also requires every client to present a certificate signed by it (mTLS).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from shared import telemetry
+
+MAX_MESSAGE_BYTES = 256 * 2**20
+
+Options = Sequence[tuple[str, int | str]]
+
+
+def message_options() -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def _read(path: str | None, what: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} {path!r}: {e.strerror}") from None
+
+
+@dataclass(slots=True, frozen=True)
+class ClientTLS:
+    """How this service calls others: `ca` verifies the servers (set = TLS); `cert` + `key` are the client
+    certificate it presents (for servers that require one)."""
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("a client certificate needs both its cert and key files")
+        if self.cert and not self.ca:
+            raise ValueError("a client certificate is only sent over TLS: give the CA that verifies the servers too")
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.ca)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.ca:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "CA certificate"),
+                                            private_key=_read(self.key, "client key"),
+                                            certificate_chain=_read(self.cert, "client certificate"))
+
+
+_client_tls = ClientTLS()
+
+
+def set_client_tls(tls: ClientTLS) -> None:
+    """This process's settings for the channels it makes (set once at service start)."""
+    global _client_tls
+    _client_tls = tls
+
+
+def client_tls_from(cfg) -> ClientTLS:
+    """From a service config's tls_ca / tls_client_cert / tls_client_key fields."""
+    return ClientTLS(cfg.tls_ca, cfg.tls_client_cert, cfg.tls_client_key)
+
+
+def server_tls_from(cfg) -> ServerTLS:
+    """From a service config's tls_cert / tls_key / tls_client_ca fields."""
+    return ServerTLS(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+
+
+def aio_channel(address: str, tls: ClientTLS | None = None, options: Options = (),
+                trace: bool = True) -> grpc.aio.Channel:
+    """An asyncio channel; `trace` adds the client tracing interceptors (when tracing is on)."""
+    opts = message_options() + list(options)
+    interceptors = telemetry.aio_client_interceptors() if trace else []
+    creds = (tls or _client_tls).credentials()
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors or None)
+    return grpc.aio.secure_channel(address, creds, options=opts, interceptors=interceptors or None)
+
+
+def sync_channel(address: str, tls: ClientTLS | None = None, options: Options = (), trace: bool = True
+                 ) -> grpc.Channel:
+    """A blocking channel (the engine thread's calls); `trace` adds the client tracing interceptor."""
+    opts = message_options() + list(options)
+    creds = (tls or _client_tls).credentials()
+    channel = (grpc.insecure_channel(address, options=opts) if creds is None
+               else grpc.secure_channel(address, creds, options=opts))
+    return telemetry.traced_sync_channel(channel) if trace else channel
+
+
+@dataclass(slots=True, frozen=True)
+class ServerTLS:
+    """How a service listens: `cert` + `key` = TLS; `client_ca` set = clients must present a certificate it
+    signed (mTLS), those without one are refused during the handshake."""
+    cert: str | None = None
+    key: str | None = None
+    client_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("TLS needs both the server's cert and key files")
+        if self.client_ca and not self.cert:
+            raise ValueError("requiring client certificates (a client CA) needs TLS: give the server cert and key")
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if not self.cert:
+            return None
+        key, cert = _read(self.key, "server key"), _read(self.cert, "server certificate")
+        ca = _read(self.client_ca, "client CA certificate")
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)

@@ -1,0 +1,160 @@
+"""API keys and per-key limits through the whole stack (one stack for every check): gRPC metadata and HTTP bearer
+keys, 401 / UNAUTHENTICATED, request-size limits (400 / INVALID_ARGUMENT), a per-key concurrency limit
+(429 / RESOURCE_EXHAUSTED) that leaves other keys alone, and open health, reflection, /health and /metrics."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import Stack
+from upesi.v1 import generation_pb2 as pb
+from upesi.v1 import generation_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+SMALL, OTHER = "sk-small-7f3a9c", "sk-other-18be42"
+KEYS = f"""
+defaults:
+  max_concurrent_requests: 1
+keys:
+  - name: small
+    key: {SMALL}
+    max_tokens: 8
+    max_n: 2
+    max_prompt_tokens: 48
+  - name: other
+    key: {OTHER}
+"""
+QUESTION = [pb.ChatMessage(role="user", content="Name a colour.")]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("auth")
+    (tmp / "keys.yaml").write_text(KEYS)
+    with pytest.MonkeyPatch.context() as mp:          # `upesi serve` hands its environment to the router
+        mp.setenv("UPESI_API_KEYS_FILE", str(tmp / "keys.yaml"))
+        s = Stack(tmp)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        assert s.stop() == 0, s.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    with grpc.insecure_channel(stack.address) as ch:
+        yield generation_pb2_grpc.GenerationStub(ch)
+
+
+def bearer(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def http(stack, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict | str]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", headers=headers,
+                                 data=None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, raw = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read().decode()
+    return status, (raw if path == "/metrics" else json.loads(raw))
+
+
+def grpc_code(call, req: pb.GenerateRequest, key: str | None) -> tuple[grpc.StatusCode, str]:
+    try:
+        result = call(req, metadata=bearer(key) if key else None, timeout=120)
+        if not isinstance(result, pb.GenerateResponse):     # a stream: read it to the end
+            list(result)
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
+def test_no_key_or_a_wrong_key_is_refused(stack, stub):
+    req = pb.GenerateRequest(messages=QUESTION, max_tokens=2)
+    for key in (None, "sk-wrong", SMALL + "x"):
+        for call in (stub.Generate, stub.GenerateStream):
+            code, details = grpc_code(call, req, key)
+            assert code is grpc.StatusCode.UNAUTHENTICATED and "key" in details
+        status, body = http(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, key)
+        assert status == 401 and body["error"]["type"] == "invalid_request_error", body
+        assert body["error"]["code"] == (None if key is None else "invalid_api_key")
+        assert http(stack, "/v1/models", key=key)[0] == 401
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.completions.create(model="x", prompt="Hi", max_tokens=2)
+
+
+def test_health_reflection_health_page_and_metrics_stay_open(stack):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    with grpc.insecure_channel(stack.address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        assert "upesi.v1.Generation" in ProtoReflectionDescriptorDatabase(ch).get_services()
+    assert http(stack, "/health")[0] == 200
+    status, text = http(stack, "/metrics")
+    assert status == 200 and "upesi_requests_total" in text and SMALL not in text
+
+
+def test_the_right_key_is_served_by_the_openai_client_and_grpc(stack, stub):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=SMALL, max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a colour."}],
+                                          max_tokens=6, temperature=0)
+    r = stub.Generate(pb.GenerateRequest(messages=QUESTION, max_tokens=6, temperature=0), metadata=bearer(SMALL),
+                      timeout=120)
+    assert chat.choices[0].message.content == r.choices[0].text and r.usage.completion_tokens > 0
+    streamed = stub.GenerateStream(pb.GenerateRequest(messages=QUESTION, max_tokens=6, temperature=0),
+                                   metadata=bearer(OTHER), timeout=120)
+    assert "".join(c.text for m in streamed for c in m.choices) == r.choices[0].text
+
+
+def test_per_key_request_size_limits(stack, stub):
+    long_prompt = "one two three four five six seven eight nine ten " * 10         # about 100 tokens
+    cases = [(dict(max_tokens=9), "ask for at most 8"), (dict(max_tokens=2, n=3), "at most 2 choices"),
+             (dict(max_tokens=2, prompt=long_prompt), "shorten it by at least")]
+    for kw, words in cases:
+        req = pb.GenerateRequest(**{"messages": [] if "prompt" in kw else QUESTION, **kw})
+        code, details = grpc_code(stub.Generate, req, SMALL)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and words in details and "'small'" in details, details
+        assert grpc_code(stub.Generate, req, OTHER)[0] is grpc.StatusCode.OK      # the other key has no such limit
+        body = {"prompt": kw.get("prompt", "Hi"), "max_tokens": kw["max_tokens"], "n": kw.get("n", 1)}
+        status, answer = http(stack, "/v1/completions", body, SMALL)
+        assert status == 400 and words in answer["error"]["message"], answer
+    # Unset max_tokens is capped to the key's limit instead of the rest of the context window.
+    r = stub.Generate(pb.GenerateRequest(prompt="Count: 1, 2, 3,", ignore_eos=True), metadata=bearer(SMALL),
+                      timeout=120)
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+
+
+def test_concurrency_limit_is_per_key(stack, stub):
+    req = pb.GenerateRequest(prompt="Count to a thousand:", max_tokens=400, ignore_eos=True, temperature=0)
+    open_stream = stub.GenerateStream(req, metadata=bearer(OTHER), timeout=300)
+    try:
+        next(open_stream)                                    # OTHER's one slot is now taken
+        code, details = grpc_code(stub.Generate, pb.GenerateRequest(prompt="Hi", max_tokens=1), OTHER)
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "'other' already has 1 requests in flight" in details
+        status, body = http(stack, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, OTHER)
+        assert status == 429 and body["error"]["type"] == "rate_limit_error", body
+        assert grpc_code(stub.Generate, pb.GenerateRequest(prompt="Hi", max_tokens=1), SMALL)[0] is grpc.StatusCode.OK
+        assert http(stack, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, SMALL)[0] == 200
+    finally:
+        open_stream.cancel()
+    deadline = time.monotonic() + 30                         # the cancel reaches the router, which frees the slot
+    while (code := grpc_code(stub.Generate, pb.GenerateRequest(prompt="Hi", max_tokens=1), OTHER)[0]) \
+            is grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert code is grpc.StatusCode.OK

@@ -1,0 +1,65 @@
+"""The four MoE families with their FFNs on real `upesi experts` processes, 2 and 3 shards: greedy generation of 32
+tokens equals transformers' `generate` on the same tiny checkpoint (tests/moe_checkpoints.py).
+
+The target is the in-process engine (the same classes `upesi target` runs) with `attach_expert_shards`, so the local
+FFN weights are freed and every routed expert (and every dense FFN, split by neurons) is computed by the shard
+processes over gRPC; shared experts stay on the target. All shard processes of the module start at once and boot
+while transformers computes the references.
+"""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.conftest import free_port
+from tests.moe_checkpoints import FAMILIES, PROMPTS, hf_greedy, save_tiny, start_shard, stop_all
+
+pytestmark = pytest.mark.slow
+SHARDS = (2, 3)
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """family -> (checkpoint folder, {shards: addresses}, transformers' greedy tokens of PROMPTS)."""
+    root = tmp_path_factory.mktemp("moe_stack")
+    procs: list[subprocess.Popen] = []
+    with open(root / "shards.log", "w") as log:
+        try:
+            made = {}
+            for family in FAMILIES:
+                path = str(root / family)
+                ref = save_tiny(path, family)
+                addresses = {n: [f"127.0.0.1:{free_port()}" for _ in range(n)] for n in SHARDS}
+                procs += [start_shard(path, i, n, a, log) for n in SHARDS for i, a in enumerate(addresses[n])]
+                made[family] = (path, addresses, ref)
+            yield {f: (path, addresses, hf_greedy(ref, PROMPTS, TOKENS)) for f, (path, addresses, ref) in made.items()}
+        finally:
+            stop_all(procs)
+
+
+@pytest.mark.parametrize("n", SHARDS, ids=lambda n: f"{n}shards")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_through_expert_shards_equals_transformers(families, family, n):
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+    from shared.model.placement import Placement, num_routed_experts
+    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
+
+    path, addresses, expect = families[family]
+    eng = LLMEngine(EngineConfig(model=path, progress=False, num_kv_blocks=64))
+    model = eng.runner.model
+    client = ExpertsClient(addresses[n], Placement(n, num_routed_experts(eng.model_cfg)), ffn_kinds(model),
+                           timeout_s=30)
+    try:
+        client.wait_ready(eng.model_cfg, timeout_s=180)
+        assert attach_expert_shards(model, client) > 0                   # the local FFN weights are gone
+        out = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
+        assert [o[0] for o in out] == expect
+        infos = client.shard_info()
+        assert [i.shard_index for i in infos] == list(range(n)) and all(i.dispatches > 0 for i in infos)
+        assert sum(i.dispatches for i in infos) == client.num_rpcs
+    finally:
+        client.close()

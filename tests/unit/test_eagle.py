@@ -1,0 +1,139 @@
+"""The EAGLE head's bookkeeping: reduced-vocab id map, q in the full vocab, and its per-sequence KV with rollback
+matching a dense causal pass over the whole sequence."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.train_draft_cmd import reduced_vocab
+from shared.engine.eagle import EagleConfig, EagleHead
+from shared.engine.eagle_proposer import EagleProposer
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import Sequence
+from shared.model.llama import RMSNorm
+
+V, D, N = 40, 32, 12
+
+
+def tiny_head(seed: int = 0, post_norm: bool = False) -> EagleHead:
+    torch.manual_seed(seed)
+    cfg = EagleConfig(hidden_size=D, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, vocab_size=V, draft_vocab_size=N, max_position=128, post_norm=post_norm)
+    head = EagleHead(cfg).eval()
+    head.id_map = torch.randperm(V)[:N].sort().values
+    norm = RMSNorm(D, 1e-6)
+    norm.weight.data = torch.rand(D) + 0.5
+    head.attach_target(torch.randn(V, D), norm, torch.randn(V, D) * 3)
+    return head
+
+
+def dense(head: EagleHead, feats: torch.Tensor, tokens: list[int]):
+    """The head over the whole sequence at once: pairs (f_p, x_{p+1}), p = 0 .. L - 2."""
+    from shared.engine.eagle import causal_mask
+    n = len(tokens) - 1
+    with torch.inference_mode():
+        out, k, v = head(feats[None, :n], torch.tensor([tokens[1:]]), torch.arange(n)[None], None,
+                         causal_mask([0], [n], feats.device))
+    return out[0], k[0]
+
+
+def test_reduced_vocab_keeps_the_most_frequent_tokens_and_eos():
+    seqs = [[5, 5, 5, 7, 7, 1], [5, 7, 2, 2, 2, 2]]
+    assert reduced_vocab(seqs, 3, 10, always=[9]).tolist() == [2, 5, 9]      # 2: x4, 5: x4, then EOS over 7: x3
+
+
+def test_sampled_q_is_the_reduced_distribution_scattered_into_the_full_vocab():
+    head = tiny_head()
+    prop = EagleProposer(head)
+    tokens = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    seq = Sequence("r", 0, tokens, SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=50))
+    prop.accept_hidden(seq, 0, torch.randn(8, D))
+    drafted, q = prop.propose([seq], [3])[0]
+    assert len(drafted) == 3 and q.shape == (3, V)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[head.id_map] = False
+    assert (q[:, outside] == 0).all() and torch.allclose(q.sum(-1), torch.ones(3))
+    assert ((q > 0).sum(-1) <= 5).all()                                       # top-k shaped
+    assert all(q[i, t] > 0 for i, t in enumerate(drafted))
+    assert set(drafted) <= set(head.id_map.tolist())
+
+
+def test_incremental_kv_with_rollback_equals_a_dense_pass():
+    head = tiny_head()
+    prop = EagleProposer(head)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, V, (20,), generator=g).tolist()
+    feats = torch.randn(20, D, generator=g)
+    out_ref, k_ref = dense(head, feats, tokens)
+    greedy = SamplingParams(temperature=0, max_tokens=50)
+
+    def first_draft(upto: int) -> int:             # what the head drafts after real features 0 .. upto - 2
+        return int(head.id_map[head.logits(out_ref[upto - 2]).argmax()])
+
+    seq = Sequence("r", 0, tokens[:8], greedy)
+    prop.accept_hidden(seq, 0, feats[:7])                                   # a prefill of 7 positions
+    drafted, q = prop.propose([seq], [4])[0]
+    assert q is None and len(drafted) == 4 and drafted[0] == first_draft(8)
+    st = prop.states[seq.seq_id]
+    assert st.real == 7 and len(st.k) == 7 + 3                             # 3 draft positions on top
+    seq.token_ids = tokens[:11]                                             # the target accepted 2, emitted 1
+    prop.accept_hidden(seq, 7, feats[7:10])
+    drafted, _ = prop.propose([seq], [2])[0]
+    assert drafted[0] == first_draft(11)
+    assert torch.allclose(st.k[:10], k_ref[:10], atol=1e-5)                 # draft KV rolled back, redone for real
+    seq.token_ids = tokens[:15]                                             # preempted and recomputed from 4
+    prop.accept_hidden(seq, 4, feats[4:14])
+    drafted, _ = prop.propose([seq], [1])[0]
+    assert st is not prop.states.get(seq.seq_id) or st.real == 14
+    assert drafted == [first_draft(15)]
+    assert torch.allclose(prop.states[seq.seq_id].k[:14], k_ref[:14], atol=1e-5)
+    prop.release(seq.seq_id)
+    assert not prop.states
+
+
+def test_batched_proposals_equal_one_sequence_at_a_time():
+    head = tiny_head()
+    g = torch.Generator().manual_seed(4)
+    greedy = SamplingParams(temperature=0, max_tokens=50)
+    seqs, feats = [], []
+    for n in (5, 13, 9):
+        seqs.append(Sequence("r", 0, torch.randint(0, V, (n,), generator=g).tolist(), greedy))
+        feats.append(torch.randn(n - 1, D, generator=g))
+    batched = EagleProposer(head)
+    for s, f in zip(seqs, feats):
+        batched.accept_hidden(s, 0, f)
+    together = batched.propose(seqs, [3, 1, 4])
+    for s, f, (toks, _), k in zip(seqs, feats, together, [3, 1, 4]):
+        alone = EagleProposer(head)
+        alone.accept_hidden(s, 0, f)
+        assert alone.propose([s], [k])[0][0] == toks and len(toks) == k
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_drafts_follow_the_eagle_recurrence(post_norm):
+    """K drafts = EAGLE-1 written out: features of the target's hidden states (after its final norm for post_norm
+    heads), pairs (f_p, x_{p+1}) at position p; then each predicted feature goes back in with the token it drafted, at
+    the next position; the LM head reads the features directly (post_norm) or after the target's norm."""
+    head = tiny_head(5, post_norm)
+    g = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, V, (12,), generator=g).tolist()
+    hidden = torch.randn(11, D, generator=g) * 4                            # the target's, before its final norm
+    feats = RMSNorm(D, 1e-6)(hidden) * head.final_norm.weight if post_norm else hidden
+    with torch.inference_mode():
+        n = 11
+        out, k, v = head(feats[None], torch.tensor([tokens[1:]]), torch.arange(n)[None], None,
+                         torch.ones(1, n, n).tril().bool())
+        last, want = out[0, -1], []
+        for step in range(4):
+            logits = last @ head.head_rows.T if post_norm else head.final_norm(last) @ head.head_rows.T
+            want.append(int(head.id_map[logits.argmax()]))
+            o, k1, v1 = head(last[None, None], torch.tensor([[want[-1]]]), torch.tensor([[n + step]]), (k, v),
+                             torch.ones(1, 1, n + step + 1, dtype=torch.bool))
+            k, v, last = torch.cat([k, k1], 1), torch.cat([v, v1], 1), o[0, 0]
+    prop = EagleProposer(head)
+    seq = Sequence("r", 0, tokens, SamplingParams(temperature=0, max_tokens=50))
+    prop.accept_hidden(seq, 0, hidden[:6])                                  # in two pieces, as the engine hands them
+    prop.accept_hidden(seq, 6, hidden[6:])
+    assert prop.propose([seq], [4])[0][0] == want
+    st = prop.states[seq.seq_id]                       # the drafts' keys: same features, tokens and positions
+    assert st.real == n and torch.allclose(st.k, k[0, :n + 3], atol=1e-5)
