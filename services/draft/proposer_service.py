@@ -29,6 +29,11 @@ class DraftState:
         self.seqs: dict[str, Sequence] = {}
         self.lock = threading.Lock()                 # one proposer, one batch at a time
 
+    def held(self) -> tuple[int, int]:
+        """(sequences mirrored, KV blocks the proposer's own cache uses): both 0 once every target sequence ended."""
+        blocks = getattr(self.proposer, "blocks", None)
+        return len(self.seqs), blocks.num_used_blocks if blocks is not None else 0
+
     def propose(self, deltas: list[SeqDelta], released: list[str]) -> list[Proposal]:
         with self.lock:
             for key in released:

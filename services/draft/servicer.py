@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.draft.proposer_service import DraftState, SeqDelta
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
@@ -17,6 +17,8 @@ BATCH_SEQS = Histogram("upesi_draft_batch_sequences", "Sequences per Propose cal
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 PROPOSED_TOKENS = Counter("upesi_draft_proposed_tokens", "Draft tokens proposed to targets")
 RELEASED = Counter("upesi_draft_released_sequences", "Sequences the targets released")
+SEQUENCES = Gauge("upesi_draft_sequences", "Target sequences the draft holds state for")
+KV_BLOCKS_USED = Gauge("upesi_draft_kv_blocks_used", "KV blocks used by the draft model's own cache")
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
@@ -35,6 +37,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             proposals = await asyncio.to_thread(self.state.propose, deltas, list(request.released))
         PROPOSED_TOKENS.inc(sum(len(tokens) for tokens, _ in proposals))
         RELEASED.inc(len(request.released))
+        held_seqs, held_blocks = self.state.held()
+        SEQUENCES.set(held_seqs)
+        KV_BLOCKS_USED.set(held_blocks)
         out = draft_pb2.ProposeResponse(wants_hidden=self.state.wants_hidden)
         for tokens, probs in proposals:
             p = out.proposals.add(tokens=tokens)

@@ -79,6 +79,14 @@ class RemoteProposer:
         self.hidden[seq.seq_id] = (first, pieces + [hidden.detach().clone()])
 
     def release(self, seq_id: int) -> None:
+        """Releases ride on the next Propose call; when no speculating sequence is left there is none, so they go
+        at once (a small call, once per idle moment), and the draft never holds state for finished sequences."""
         self.hidden.pop(seq_id, None)
         if self.sent.pop(seq_id, None) is not None:
             self.released.append(str(seq_id))
+        if self.released and not self.sent and time.monotonic() >= self.down_until:
+            try:
+                self.stub.Propose(draft_pb2.ProposeRequest(released=self.released), timeout=self.timeout_s)
+                self.released = []
+            except grpc.RpcError:
+                pass                                 # kept for the next call; a restarted draft holds nothing anyway
