@@ -19,7 +19,7 @@ from shared import metrics
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
 from shared.kv.hashing import cache_extra, hash_chain
 from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad, choose_replica
-from shared.rpc.errors import Overloaded, PeerUnavailable
+from shared.rpc.errors import Draining, Overloaded, PeerUnavailable
 from shared.text_output import ChoiceText
 from shared.tokenizer import Tokenizer
 
@@ -67,6 +67,7 @@ class Frontend:
         self.cfg, self.tok, self.targets, self.info, self.registry = cfg, tokenizer, targets, info, registry
         self.keys = keys or KeyTable.from_config(cfg)     # who may call, with what limits
         self.in_flight = 0
+        self.draining = False                                # set on SIGTERM: new requests are refused
         self.load = {t.address: 0 for t in targets}          # requests this router has open on each replica
 
     async def choose_target(self, ids: list[int], salt: str) -> TargetClient:
@@ -125,6 +126,8 @@ class Frontend:
                      caller: Caller | None = None) -> AsyncIterator[StreamChunk]:
         """Yields each step's new text per choice; the last chunk has done=True and the usage.
         caller: from `self.keys.authenticate` (None: the anonymous caller, for servers without keys)."""
+        if self.draining:
+            raise Draining("the router is shutting down; retry on another replica")
         caller = caller or self.keys.authenticate(None)
         ids, params = self.prepare(inp, caller)
         if self.in_flight >= self.cfg.max_concurrent_requests:

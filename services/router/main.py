@@ -57,7 +57,11 @@ async def serve(cfg: RouterConfig) -> None:
             registry.close()
 
     service = Service("upesi.v1.Generation", GenerationServicer(frontend), add_to_server)
-    await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_start=on_start, on_stop=on_stop)
+    def on_drain() -> None:
+        frontend.draining = True                     # HTTP keeps serving open streams but refuses new requests
+
+    await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_start=on_start, on_drain=on_drain,
+                     on_stop=on_stop)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -31,11 +31,17 @@ class PeerUnavailable(RuntimeError):
     """A service this one depends on cannot be reached; maps to UNAVAILABLE."""
 
 
+class Draining(RuntimeError):
+    """This service is shutting down (SIGTERM): in-flight work finishes, new work is refused; maps to UNAVAILABLE
+    (HTTP 503), which clients retry elsewhere."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
     (EngineDead, grpc.StatusCode.UNAVAILABLE),
 ]
 

@@ -33,6 +33,7 @@ def server_options() -> list[tuple[str, int]]:
 async def run_server(address: str, services: list[Service], *, grace_s: float = 30.0,
                      tls: ServerTLS | None = None,
                      on_start: Callable[[], Awaitable[None]] | None = None,
+                     on_drain: Callable[[], None] | None = None,
                      on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
     """Serves until SIGTERM or SIGINT, then reports NOT_SERVING, lets in-flight calls finish and stops.
 
@@ -65,6 +66,8 @@ async def run_server(address: str, services: list[Service], *, grace_s: float = 
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: draining in-flight calls for up to %.0f s", grace_s)
+    if on_drain:                                     # e.g. the router's HTTP side refuses new requests from now on
+        on_drain()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
     if on_stop:

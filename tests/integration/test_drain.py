@@ -1,5 +1,6 @@
 """Graceful drain: SIGTERM to the router while a gRPC and an HTTP stream are open. Both finish whole, a new gRPC
-request gets UNAVAILABLE, and the router exits cleanly (which makes `upesi serve` stop the rest of the stack)."""
+request gets UNAVAILABLE, a new HTTP request 503, and the router exits cleanly (which makes `upesi serve` stop the
+rest of the stack)."""
 from __future__ import annotations
 
 import http.client
@@ -60,6 +61,13 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
                     generation_pb2_grpc.GenerationStub(fresh).Generate(
                         pb.GenerateRequest(prompt="Hi", max_tokens=1), timeout=30)
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE, refused.value.details()
+            late = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)   # HTTP refuses too
+            late.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}),
+                         {"Content-Type": "application/json"})
+            refused_http = late.getresponse()
+            assert refused_http.status == 503, refused_http.read()
+            assert "shutting down" in json.loads(refused_http.read())["error"]["message"]
+            late.close()
             msgs += list(stream)                         # the open streams go on to their ends
             events += answer.read().splitlines()
             web.close()
