@@ -140,7 +140,7 @@ def causal_mask(past_lens: list[int], new_lens: list[int], device: torch.device)
     return mask
 
 
-def head_config_for(target_cfg, draft_vocab_size: int, post_norm: bool = True) -> EagleConfig:
+def head_config_for(target_cfg, draft_vocab_size: int, post_norm: bool = False) -> EagleConfig:
     """A head shaped like one layer of the target (a shared.model.config.ModelConfig)."""
     return EagleConfig(post_norm=post_norm, hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
                        num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
