@@ -6,7 +6,7 @@ import sys
 
 DESCRIPTION = """Upesi: LLM inference as gRPC microservices.
 
-  upesi serve                 start the whole stack (router + target) on this machine
+  upesi serve                 start the whole stack (router, target, optional draft and expert shards) here
   upesi generate "prompt"     stream an answer from a running stack
   upesi router|target|...     start one service (what compose and Kubernetes run)
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sp)
         sp.set_defaults(func=module.main)
 
-    add("serve", "start router and target as child processes (what `make run` does)", launcher)
+    add("serve", "start the stack as child processes: router, targets, optional draft and expert shards", launcher)
     add("generate", "stream an answer from a running stack", generate_cmd)
     add("quantize", "write an NVFP4 (compressed-tensors) checkpoint of a model", quantize_cmd)
     add("router", "run the router: public gRPC API (and HTTP /health, /metrics)", router)
