@@ -33,7 +33,8 @@ class ServeConfig:
     speculative: str | None = option(None, "speculative proposer inside each target: ngram, draft-model:PATH or "
                                            "eagle:PATH")
     draft: str | None = option(None, "start a draft service with this proposer (ngram, draft-model:PATH or "
-                                     "eagle:PATH) and have the targets take proposals from it")
+                                     "eagle:PATH): the router sends speculative requests to it, and it drives "
+                                     "a Verify stream to the chosen target")
     num_speculative_tokens: int = option(3, "default K for speculative decoding")
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
@@ -184,9 +185,8 @@ def main(args: argparse.Namespace) -> None:
         if cfg.draft:
             shards[len(procs)] = ("draft service", cfg.draft_address, [
                 "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
-                "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=False), *model, *threads])
+                "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model, *threads])
             procs.append(_child(shards[len(procs)][2], env))
-            spec += ["--draft", cfg.draft_address]
         for i, address in enumerate(cfg.target_addresses()):
             metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0
             procs.append(_child(["target", "--address", address, "--replica-id", address,
@@ -196,6 +196,7 @@ def main(args: argparse.Namespace) -> None:
                                 env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
+                             *(["--draft", cfg.draft_address] if cfg.draft else []),
                              *model, *registry, *_tls_args(cfg, client=True)]))
         _wait_healthy(cfg.address, procs, cfg.ready_timeout_s, _client_tls(cfg))
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "

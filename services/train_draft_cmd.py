@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
 
-DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "draft_prompts.txt")
+DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                               "draft_prompts_large.txt")
 
 
 @dataclass(slots=True)
@@ -42,6 +43,9 @@ class TrainDraftConfig:
     post_norm: bool = option(False, "a new head reads features after the target's final norm (EAGLE-1's choice; "
                                     "not better here at 200 prompts) instead of before it")
     unroll: int = option(4, "training passes per batch: pass j feeds the features pass j - 1 predicted (draft depth j)")
+    answers_cache: str | None = option(None, "JSON-lines file of the target's answers: read what is there, append "
+                                             "what is generated (an interrupted run resumes; a retrain skips step 1)")
+    gen_batch: int = option(128, "prompts the target answers at once")
 
     def __post_init__(self) -> None:
         if min(self.epochs, self.batch_size, self.draft_vocab, self.held_out, self.unroll) < 1:
@@ -52,23 +56,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, TrainDraftConfig)
 
 
-def generate_answers(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy answers of the target, all prompts in flight together (continuous batching)."""
+def generate_answers(engine, prompts: list[list[int]], max_tokens: int, batch: int = 128,
+                     cache: str | None = None) -> list[list[int]]:
+    """Greedy answers of the target, `batch` prompts in flight together (continuous batching). With `cache`, answers
+    already in that JSON-lines file (keyed by the prompt's token ids) are reused and new ones appended to it."""
+    import json
+
     from tqdm import tqdm
 
     from shared.engine.sampling_params import SamplingParams
 
+    done: dict[tuple[int, ...], list[int]] = {}
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    if rec.get("max_tokens") == max_tokens:
+                        done[tuple(rec["prompt"])] = rec["answer"]
+    todo = [i for i, p in enumerate(prompts) if tuple(p) not in done][::-1]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    sink = open(cache, "a") if cache else None
     out: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-        out[str(i)] = []
-    with tqdm(total=len(prompts) * max_tokens, desc="target answers", unit="tok") as bar:
-        while engine.has_unfinished():
-            for d in engine.step():
-                out[d.request_id].extend(d.token_ids)
-                bar.update(len(d.token_ids))
-    return [out[str(i)] for i in range(len(prompts))]
+    try:
+        with tqdm(total=len(todo) * max_tokens, desc="target answers", unit="tok") as bar:
+            while todo or engine.has_unfinished():
+                while todo and len(out) < batch:             # keep `batch` answers in flight
+                    i = todo.pop()
+                    engine.add_request(str(i), prompts[i], params)
+                    out[str(i)] = []
+                for d in engine.step():
+                    out[d.request_id].extend(d.token_ids)
+                    bar.update(len(d.token_ids))
+                    if d.finish_reason:
+                        ans = out.pop(d.request_id)
+                        done[tuple(prompts[int(d.request_id)])] = ans
+                        if sink:
+                            sink.write(json.dumps({"prompt": prompts[int(d.request_id)], "max_tokens": max_tokens,
+                                                   "answer": ans}) + "\n")
+                            sink.flush()
+    finally:
+        if sink:
+            sink.close()
+    return [done[tuple(p)] for p in prompts]
 
 
 def teacher_features(engine, seqs: list[list[int]]):
@@ -192,12 +222,12 @@ def main(args: argparse.Namespace) -> None:
         raise ValueError(f"{cfg.prompts} has {len(texts)} prompts; need more than --held-out {cfg.held_out}")
     random.Random(cfg.seed).shuffle(texts)
     texts = texts[:cfg.limit]
-    engine = LLMEngine(EngineConfig(model=cfg.model, progress=False, kv_cache_gb=1.0, max_num_seqs=64,
+    engine = LLMEngine(EngineConfig(model=cfg.model, progress=False, kv_cache_gb=4.0, max_num_seqs=cfg.gen_batch,
                                     enable_prefix_caching=False))
     tok = Tokenizer(engine.model_path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     test_prompts, train_prompts = prompts[:cfg.held_out], prompts[cfg.held_out:]
-    answers = generate_answers(engine, train_prompts, cfg.max_tokens)
+    answers = generate_answers(engine, train_prompts, cfg.max_tokens, cfg.gen_batch, cfg.answers_cache)
     seqs = [p + a for p, a in zip(train_prompts, answers)]
     feats = teacher_features(engine, seqs)
     mcfg = engine.model_cfg

@@ -132,8 +132,10 @@ def links_to(contexts: list[Context]) -> list[trace.Link]:
 
 # ---------------------------------------------------------------- grpc interceptors (only when ENABLED)
 def _not_health_or_reflection():
+    """Also not the long-lived Verify streams: each request on one has its own span (`request_span`)."""
     from opentelemetry.instrumentation.grpc import filters
-    return filters.negate(filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection")))
+    return filters.negate(filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"),
+                                         filters.full_method_name("/upesi.v1.Target/Verify")))
 
 
 def server_interceptors() -> list:
@@ -165,6 +167,39 @@ def inject_metadata(ctx: Context | None = None) -> tuple[tuple[str, str], ...]:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=ctx)
     return tuple(carrier.items())
+
+
+def request_span(name: str, traceparent: str):
+    """A span for work that arrives on a long-lived stream with its own trace context (a Verify stream's `open`):
+    (span, its context) to end when the work is done, or (None, None) when tracing is off or nothing is carried."""
+    if not ENABLED or not traceparent:
+        return None, None
+    parent = propagate.extract({"traceparent": traceparent})
+    span = _tracer.start_span(name, context=parent)
+    return span, trace.set_span_in_context(span)
+
+
+def attach(ctx: Context) -> None:
+    """Makes `ctx` current for the rest of this task (an asyncio task has its own copy of the context)."""
+    otel_context.attach(ctx)
+
+
+def traceparent(ctx: Context | None = None) -> str:
+    """The W3C traceparent of `ctx` (default: the current context); "" when tracing is off."""
+    if not ENABLED:
+        return ""
+    return dict(inject_metadata(ctx)).get("traceparent", "")
+
+
+@contextmanager
+def span_from(name: str, traceparent_value: str, attributes: dict | None = None) -> Iterator[None]:
+    """A span current for the block, child of a carried traceparent (nothing when off or not carried)."""
+    if not ENABLED or not traceparent_value:
+        yield
+        return
+    with _tracer.start_as_current_span(name, context=propagate.extract({"traceparent": traceparent_value}),
+                                       attributes=attributes):
+        yield
 
 
 # ---------------------------------------------------------------- the engine thread's step

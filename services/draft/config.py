@@ -8,7 +8,7 @@ from shared.config import option
 
 @dataclass(slots=True)
 class DraftConfig:
-    address: str = option("127.0.0.1:50071", "gRPC listen address")
+    address: str = option("127.0.0.1:50071", "gRPC listen address (the router sends speculative requests here)")
     proposer: str = option("ngram", "ngram, draft-model:PATH (a small Llama-family model sharing the tokenizer) "
                                     "or eagle:PATH (an EAGLE-style head trained for the target by train-draft)")
     model: str | None = option(None, "the target's checkpoint, whose embedding, final norm and LM head an eagle "
@@ -23,6 +23,10 @@ class DraftConfig:
     tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
     tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
                                              "clients without one are refused")
+    tls_ca: str | None = option(None, "TLS to the targets (Verify streams): CA (PEM) that verifies them "
+                                      "(set = calls use TLS)")
+    tls_client_cert: str | None = option(None, "mTLS: the client certificate (PEM) presented to the targets")
+    tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
 
     def __post_init__(self) -> None:
         if self.kv_blocks < 1 or self.block_size < 1:

@@ -21,24 +21,27 @@ async def serve(cfg: DraftConfig) -> None:
 
     from services.draft.proposer_service import DraftState
     from services.draft.servicer import DraftServicer
+    from services.draft.target_link import TargetLinks
     from shared.engine.config import resolve_device, resolve_dtype
     from shared import telemetry
     from shared.engine.proposers import make_proposer
     from shared.metrics import serve_metrics
-    from shared.rpc.channel import server_tls_from
+    from shared.rpc.channel import client_tls_from, server_tls_from, set_client_tls
     from upesi.v1 import draft_pb2_grpc
 
     telemetry.setup_tracing("upesi-draft")
+    set_client_tls(client_tls_from(cfg))             # the Verify streams to targets
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
     proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, resolve_dtype("auto", device), device,
                              cfg.max_model_len, target_path=cfg.model)
-    service = Service("upesi.v1.Draft", DraftServicer(DraftState(proposer)), draft_pb2_grpc.add_DraftServicer_to_server)
+    links = TargetLinks(DraftState(proposer))
+    service = Service("upesi.v1.Draft", DraftServicer(links), draft_pb2_grpc.add_DraftServicer_to_server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.address)
     log.info("draft proposer %s", cfg.proposer)
-    await run_server(cfg.address, [service], tls=server_tls_from(cfg))
+    await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_stop=links.close)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -34,12 +34,22 @@ class DraftState:
         blocks = getattr(self.proposer, "blocks", None)
         return len(self.seqs), blocks.num_used_blocks if blocks is not None else 0
 
+    def release(self, keys: list[str]) -> None:
+        """Frees the mirrors (and the proposer's state) of sequences that ended."""
+        with self.lock:
+            self._release(keys)
+
+    def _release(self, keys: list[str]) -> None:
+        for key in keys:
+            seq = self.seqs.pop(key, None)
+            if seq is not None:
+                self.proposer.release(seq.seq_id)
+
     def propose(self, deltas: list[SeqDelta], released: list[str]) -> list[Proposal]:
         with self.lock:
-            for key in released:
-                seq = self.seqs.pop(key, None)
-                if seq is not None:
-                    self.proposer.release(seq.seq_id)
+            self._release(released)
+            if not deltas:
+                return []
             seqs = []
             for d in deltas:
                 seq = self.seqs.get(d.key)

@@ -12,6 +12,8 @@ class RouterConfig:
     http_host: str = option("127.0.0.1", "HTTP host for /health and /metrics")
     http_port: int = option(8000, "HTTP port (0 = off)")
     target: str = option("127.0.0.1:50061", "target replica addresses, comma-separated")
+    draft: str | None = option(None, "draft replica addresses, comma-separated: speculative requests go through "
+                                     "them, each driving a Verify stream to the chosen target (default: none)")
     registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (default: load only)")
     model: str | None = option(None, "model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)")
     max_concurrent_requests: int = option(256, "requests served at once; more get RESOURCE_EXHAUSTED")
@@ -31,6 +33,9 @@ class RouterConfig:
     max_prompt_tokens: int = option(0, "longest prompt in tokens for every caller (0 = the context window)")
     max_output_tokens: int = option(0, "largest max_tokens for every caller; unset max_tokens is capped to it "
                                        "(0 = the context window)")
+
+    def draft_addresses(self) -> list[str]:
+        return [a.strip() for a in (self.draft or "").split(",") if a.strip()]
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 1 or self.max_n < 1:

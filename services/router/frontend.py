@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from services.router.auth import KeyTable
 from services.router.config import RouterConfig
 from services.router.limits import Caller
+from services.router.draft_client import DraftClient
 from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
@@ -63,8 +64,10 @@ class StreamChunk:
 
 class Frontend:
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, targets: list[TargetClient], info: TargetInfo,
-                 registry: PrefixRegistry | None = None, keys: KeyTable | None = None) -> None:
+                 registry: PrefixRegistry | None = None, keys: KeyTable | None = None,
+                 drafts: list[DraftClient] | None = None) -> None:
         self.cfg, self.tok, self.targets, self.info, self.registry = cfg, tokenizer, targets, info, registry
+        self.drafts = drafts or []
         self.keys = keys or KeyTable.from_config(cfg)     # who may call, with what limits
         self.in_flight = 0
         self.draining = False                                # set on SIGTERM: new requests are refused
@@ -81,6 +84,13 @@ class Frontend:
         chosen = await asyncio.to_thread(choose_replica, chain, replicas, loads, self.info.block_size,
                                          registry=self.registry)
         return next(t for t in self.targets if t.address == chosen)
+
+    def choose_draft(self, params: SamplingParams) -> DraftClient | None:
+        """The least busy draft replica for a speculative request; None when it is not one (K = 0, beam search)
+        or no draft is configured."""
+        if not self.drafts or params.num_speculative_tokens == 0 or params.beam_width > 1:
+            return None
+        return min(self.drafts, key=lambda d: d.in_flight)
 
     def prepare(self, inp: GenerationInput, caller: Caller) -> tuple[list[int], SamplingParams]:
         """Validates and tokenises within the caller's limits; raises InvalidRequest with a message a person can
@@ -150,32 +160,36 @@ class Frontend:
         t0 = last = time.perf_counter()
         cached = 0
         spec: dict[int, tuple[int, int]] = {}
+        draft = self.choose_draft(params)
+        steps = (target.generate(request_id, ids, params, timeout) if draft is None else
+                 draft.generate(target, request_id, ids, params, timeout))
         try:
-            async for step in target.generate(request_id, ids, params, timeout):
-                cached = max(cached, step.cached_tokens)
-                spec.update(step.spec)
-                out, stopped = [], []
-                for index, tokens, reason in step.deltas:
-                    d = choices[index].push(tokens, reason)
-                    if d.stop_string_hit:
-                        stopped.append(index)
-                    if d.text or d.token_ids or d.finish_reason:
-                        out.append(ChoiceDelta(index, d.text, d.token_ids, d.finish_reason))
-                if stopped:
-                    await target.abort(request_id, stopped)
-                now = time.perf_counter()
-                ntok = sum(len(c.token_ids) for c in out)
-                if ntok:
-                    (metrics.TTFT if last == t0 else metrics.TPOT).observe(now - last)
-                    metrics.GENERATED_TOKENS.inc(ntok)
-                    last = now
-                done = all(c.finish_reason is not None for c in choices)
-                if out or done:
-                    yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done,
-                                      sum(d for d, _ in spec.values()), sum(a for _, a in spec.values()))
-                if done:
-                    return
-            raise PeerUnavailable(f"the target {target.address} ended the stream before the answer was done")
+            async with contextlib.aclosing(steps):
+                async for step in steps:
+                    cached = max(cached, step.cached_tokens)
+                    spec.update(step.spec)
+                    out, stopped = [], []
+                    for index, tokens, reason in step.deltas:
+                        d = choices[index].push(tokens, reason)
+                        if d.stop_string_hit:
+                            stopped.append(index)
+                        if d.text or d.token_ids or d.finish_reason:
+                            out.append(ChoiceDelta(index, d.text, d.token_ids, d.finish_reason))
+                    if stopped:
+                        await target.abort(request_id, stopped)
+                    now = time.perf_counter()
+                    ntok = sum(len(c.token_ids) for c in out)
+                    if ntok:
+                        (metrics.TTFT if last == t0 else metrics.TPOT).observe(now - last)
+                        metrics.GENERATED_TOKENS.inc(ntok)
+                        last = now
+                    done = all(c.finish_reason is not None for c in choices)
+                    if out or done:
+                        yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done,
+                                          sum(d for d, _ in spec.values()), sum(a for _, a in spec.values()))
+                    if done:
+                        return
+                raise PeerUnavailable(f"the target {target.address} ended the stream before the answer was done")
         finally:
             self.in_flight -= 1
             self.load[target.address] -= 1

@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(cfg: RouterConfig) -> None:
     from services.router.auth import KeyTable
+    from services.router.draft_client import DraftClient
     from services.router.frontend import Frontend
     from services.router.http import build_app, start_http
     from services.router.servicer import GenerationServicer, add_to_server
@@ -39,7 +40,8 @@ async def serve(cfg: RouterConfig) -> None:
     if len({i.model for i in infos}) > 1:
         raise ValueError(f"the target replicas serve different models: {sorted({i.model for i in infos})}")
     registry = open_registry(cfg.registry) if cfg.registry else None
-    frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry, keys)
+    drafts = [DraftClient(a) for a in cfg.draft_addresses()]      # connect lazily: a draft may start later
+    frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry, keys, drafts)
     http = None
 
     async def on_start() -> None:
@@ -51,7 +53,7 @@ async def serve(cfg: RouterConfig) -> None:
         if http:
             http[0].should_exit = True
             await http[1]
-        for t in targets:
+        for t in [*targets, *drafts]:
             await t.close()
         if registry is not None:
             registry.close()

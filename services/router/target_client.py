@@ -50,29 +50,14 @@ class TargetClient:
                 await asyncio.sleep(0.5)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       timeout: float | None) -> AsyncIterator[StepOutput]:
-        req = target_pb2.TargetGenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, n=params.n,
-            sampling=target_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                               top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
-                                               ignore_eos=params.ignore_eos,
-                                               stop_token_ids=params.stop_token_ids,
-                                               cache_salt=params.cache_salt, beam_width=params.beam_width,
-                                               num_speculative_tokens=params.num_speculative_tokens))
+                       timeout: float | None, attach: bool = False) -> AsyncIterator[StepOutput]:
+        """The request's output step by step. attach: take over the request if a draft's Verify stream opened it
+        (its output from the first token on; see services/router/draft_client.py)."""
+        req = target_request(request_id, prompt, params)
+        req.attach = attach
         call = self.stub.Generate(req, timeout=timeout)      # the deadline travels to the target with the call
-        unfinished = params.n
-        try:
-            async for msg in call:
-                out = StepOutput([(d.index, list(d.token_ids), d.finish_reason or None) for d in msg.deltas],
-                                 {d.index: (d.draft_tokens, d.accepted_tokens) for d in msg.deltas},
-                                 msg.prompt_tokens, msg.cached_tokens)
-                unfinished -= sum(1 for d in msg.deltas if d.finish_reason)
-                if unfinished <= 0:       # the target ends the stream after the last finish: read that end now, so
-                    async for _ in call:  # the call completes (and its trace span ends) though the caller stops
-                        pass              # reading at the last answer
-                yield out
-        finally:
-            call.cancel()
+        async for out in read_steps(call, params.n):
+            yield out
 
     async def abort(self, request_id: str, indices: list[int]) -> None:
         try:
@@ -82,3 +67,30 @@ class TargetClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def target_request(request_id: str, prompt: list[int], params: SamplingParams) -> target_pb2.TargetGenerateRequest:
+    return target_pb2.TargetGenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, n=params.n,
+        sampling=target_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                           top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
+                                           ignore_eos=params.ignore_eos, stop_token_ids=params.stop_token_ids,
+                                           cache_salt=params.cache_salt, beam_width=params.beam_width,
+                                           num_speculative_tokens=params.num_speculative_tokens))
+
+
+async def read_steps(call, n: int) -> AsyncIterator[StepOutput]:
+    """TargetGenerateResponse messages of a call (the target's or a draft's) -> StepOutput, until n choices end."""
+    unfinished = n
+    try:
+        async for msg in call:
+            out = StepOutput([(d.index, list(d.token_ids), d.finish_reason or None) for d in msg.deltas],
+                             {d.index: (d.draft_tokens, d.accepted_tokens) for d in msg.deltas},
+                             msg.prompt_tokens, msg.cached_tokens)
+            unfinished -= sum(1 for d in msg.deltas if d.finish_reason)
+            if unfinished <= 0:       # the peer ends the stream after the last finish: read that end now, so
+                async for _ in call:  # the call completes (and its trace span ends) though the caller stops
+                    pass              # reading at the last answer
+            yield out
+    finally:
+        call.cancel()

@@ -26,7 +26,8 @@ class TargetConfig:
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = option(3, "default K, the draft tokens verified per step")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
-    draft: str | None = option(None, "address of a draft service to take proposals from (instead of --speculative)")
+    draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
+                                         "Verify stream; past it those requests decode without drafts for 5 s")
     registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (default: none)")
     replica_id: str | None = option(None, "this replica's name in the registry (default: its address)")
     expert_shards: str | None = option(None, "expert shard addresses, comma-separated in shard order: every layer's "
@@ -51,6 +52,8 @@ class TargetConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+        if self.draft_timeout_s <= 0:
+            raise ValueError(f"draft_timeout_s must be positive, got {self.draft_timeout_s}")
         if self.expert_timeout_s <= 0:
             raise ValueError(f"expert_timeout_s must be positive, got {self.expert_timeout_s}")
         if self.rebalance_interval_s < 0 or self.rebalance_threshold < 1 or self.rebalance_extra < 1:

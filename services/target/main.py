@@ -104,11 +104,8 @@ async def serve(cfg: TargetConfig) -> None:
     from upesi.v1 import target_pb2_grpc
 
     telemetry.setup_tracing("upesi-target")
-    set_client_tls(client_tls_from(cfg))             # the draft's and expert shards' channels
+    set_client_tls(client_tls_from(cfg))             # the expert shards' channels
     engine = LLMEngine(cfg.engine_config())
-    if cfg.draft:                                   # proposals from a draft service, one batched call per step
-        from services.target.remote_proposer import RemoteProposer
-        engine.proposer = RemoteProposer(cfg.draft)
     experts = _attach_expert_shards(cfg, engine)
     rebalancer = _start_rebalancer(cfg, experts)
     metrics.KV_BLOCKS_TOTAL.set(engine.block_manager.num_blocks)
@@ -117,7 +114,7 @@ async def serve(cfg: TargetConfig) -> None:
     async_engine = engine_cls(engine, on_step=StepObserver(publisher))
     if cfg.metrics_port:
         metrics.serve_metrics(cfg.metrics_port, cfg.address)
-    service = Service("upesi.v1.Target", TargetServicer(async_engine), target_pb2_grpc.add_TargetServicer_to_server)
+    service = Service("upesi.v1.Target", TargetServicer(async_engine, cfg.draft_timeout_s), target_pb2_grpc.add_TargetServicer_to_server)
 
     async def stop() -> None:
         async_engine.stop()

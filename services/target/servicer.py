@@ -1,12 +1,20 @@
-"""gRPC servicer of the target: converts protobuf and calls the engine, nothing more."""
+"""gRPC servicer of the target: converts protobuf and calls the engine (Verify streams: services/target/verify.py)."""
 from __future__ import annotations
+
+import asyncio
+import logging
 
 import grpc
 
+from services.target.verify import Relays, StreamProposer, delta_to_pb
 from shared.engine.async_engine import AsyncEngine
+from shared.engine.proposer_mux import ProposerMux
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
-from shared.rpc.errors import map_errors
+from shared.rpc.errors import map_errors, status_for
 from upesi.v1 import target_pb2, target_pb2_grpc
+
+log = logging.getLogger("upesi.target")
+_END = object()
 
 
 def params_from_pb(req: target_pb2.TargetGenerateRequest) -> SamplingParams:
@@ -20,22 +28,104 @@ def params_from_pb(req: target_pb2.TargetGenerateRequest) -> SamplingParams:
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, verify_timeout_s: float = 5.0) -> None:
         self.engine = engine
+        mux = engine.engine.proposer
+        if not isinstance(mux, ProposerMux):          # drafts from Verify streams go through a mux
+            mux = engine.engine.proposer = ProposerMux(mux)
+        self.relays = Relays(engine, mux)
+        self.verify_timeout_s = verify_timeout_s
 
     @map_errors
     async def Generate(self, request: target_pb2.TargetGenerateRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidRequest("request_id is required")
+        if request.attach and (got := self.relays.attach(request.request_id)) is not None:
+            async for msg in self._attached(request.request_id, *got):
+                yield msg
+            return
         params = params_from_pb(request)
         first = True
         async for d in self.engine.generate(request.request_id, list(request.prompt_token_ids), params):
-            msg = target_pb2.TargetGenerateResponse(deltas=[target_pb2.TokenDelta(
-                index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
-                draft_tokens=d.num_draft_tokens, accepted_tokens=d.num_accepted_tokens)])
-            if first:
-                msg.prompt_tokens, msg.cached_tokens, first = d.num_prompt_tokens, d.num_cached_tokens, False
-            yield msg
+            yield delta_to_pb(d, first)
+            first = False
+
+    async def _attached(self, request_id: str, queue: asyncio.Queue, history: list):
+        """A request a Verify stream opened, taken over by this caller: its output so far, then the rest."""
+        done = False
+        try:
+            for msg in history:
+                yield msg
+            while True:
+                _, item = await queue.get()
+                if item is None:
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                yield item
+        finally:
+            if not done:
+                self.relays.abort(request_id)                 # the caller went away: stop the request
+
+    async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
+        """One draft's stream (see services/target/verify.py): requests it opens, verdicts down, proposals up."""
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue = asyncio.Queue()   # VerifyDown, or (request id, output | error | None) from relays
+        proposer = StreamProposer(loop, outbox, self.verify_timeout_s)
+        mine: dict[str, object] = {}
+        reader = asyncio.create_task(self._read_verify(request_iterator, proposer, outbox, mine))
+        try:
+            while True:
+                item = await outbox.get()
+                if item is _END:
+                    return
+                if isinstance(item, target_pb2.VerifyDown):
+                    yield item
+                    continue
+                rid, msg = item
+                if msg is None:
+                    mine.pop(rid, None)
+                elif isinstance(msg, BaseException):
+                    mine.pop(rid, None)
+                    code, text = status_for(msg)
+                    yield target_pb2.VerifyDown(request_id=rid, error=text, error_code=code.value[0])
+                else:
+                    yield target_pb2.VerifyDown(request_id=rid, output=msg)
+        finally:
+            proposer.close()
+            reader.cancel()
+            self.relays.orphan([r for r in mine.values() if r.sink is outbox])
+
+    async def _read_verify(self, request_iterator, proposer: StreamProposer, outbox: asyncio.Queue,
+                           mine: dict) -> None:
+        try:
+            async for up in request_iterator:
+                kind = up.WhichOneof("kind")
+                if kind == "proposals":
+                    proposer.answer(up.step, up.proposals)
+                elif kind == "open":
+                    req = up.open
+                    try:
+                        if not req.request_id:
+                            raise InvalidRequest("request_id is required")
+                        if req.request_id in self.relays.by_id:
+                            raise InvalidRequest(f"request id {req.request_id!r} is already running")
+                        params = params_from_pb(req)
+                    except InvalidRequest as e:
+                        outbox.put_nowait((req.request_id, e))
+                        continue
+                    mine[req.request_id] = self.relays.start(req.request_id, list(req.prompt_token_ids), params,
+                                                             proposer, outbox, up.traceparent)
+                elif kind == "abort":
+                    self.relays.abort(up.abort.request_id)
+                elif kind == "hello":
+                    proposer.wants_hidden = up.hello.wants_hidden
+        except Exception as e:                        # the draft went away mid-message; the finally below copes
+            log.info("verify stream ended: %s", e)
+        finally:
+            outbox.put_nowait(_END)
 
     @map_errors
     async def Abort(self, request: target_pb2.AbortRequest, context) -> target_pb2.AbortResponse:

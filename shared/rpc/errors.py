@@ -36,6 +36,14 @@ class Draining(RuntimeError):
     (HTTP 503), which clients retry elsewhere."""
 
 
+class Relayed(RuntimeError):
+    """A peer's error passed on as it was (a draft relaying its target's answer); keeps the peer's status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -55,6 +63,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
                     grpc.StatusCode.CANCELLED):
             return code, exc.details() or code.name
         return grpc.StatusCode.UNAVAILABLE, f"a downstream service failed: {exc.details()}"
+    if isinstance(exc, Relayed):
+        return exc.code, str(exc)
     for kind, code in _CODES:
         if isinstance(exc, kind):
             return code, str(exc)

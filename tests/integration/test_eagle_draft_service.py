@@ -1,9 +1,11 @@
-"""An EAGLE head in a draft service: the target sends the hidden states of accepted positions with each Propose call
-(raw float32 bytes over real gRPC), and the proposals are exactly those of the same head in-process."""
+"""An EAGLE head in a draft service: the draft drives a Verify stream to a real target process, which sends the
+hidden states of accepted positions with each verdict (raw float32 bytes over real gRPC); the drafts, acceptances
+and tokens are exactly those of the same head inside the target's engine."""
 from __future__ import annotations
 
 import signal
 
+import grpc
 import pytest
 import torch
 
@@ -14,6 +16,10 @@ from tests.conftest import free_port
 from tests.integration.test_speculative_stack import spawn, wait_healthy
 from tests.parity.test_speculative import PROMPTS
 from tests.parity.test_tiny_llama import save_tiny
+from upesi.v1 import draft_pb2, draft_pb2_grpc, target_pb2
+
+pytestmark = pytest.mark.slow
+K, TOKENS = 3, 24
 
 
 @pytest.fixture(scope="module")
@@ -29,49 +35,50 @@ def tiny_with_head(tmp_path_factory):
     return str(path), str(path / "eagle")
 
 
-def run(eng: LLMEngine, prompts, params) -> tuple[list[list[int]], int, int]:
-    out = [o[0] for o in eng.generate(prompts, params)]
-    return out, eng.stats_draft, eng.stats_accepted
+def in_process(tiny: str, head: str | None) -> list[tuple[list[int], int, int]]:
+    """Per prompt, one at a time: (tokens, drafted, accepted)."""
+    kw = dict(model=tiny, progress=False, num_kv_blocks=128, block_size=4, num_speculative_tokens=K)
+    eng = LLMEngine(EngineConfig(speculative=f"eagle:{head}" if head else None, **kw))
+    out = []
+    for p in PROMPTS:
+        d0, a0 = eng.stats_draft, eng.stats_accepted
+        toks = eng.generate([p], SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))[0][0]
+        out.append((toks, eng.stats_draft - d0, eng.stats_accepted - a0))
+    return out
 
 
-def test_eagle_over_grpc_equals_eagle_in_process(tiny_with_head, tmp_path):
-    from services.target.remote_proposer import RemoteProposer
+def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp_path):
     tiny, head = tiny_with_head
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kw = dict(model=tiny, progress=False, num_kv_blocks=128, block_size=4, num_speculative_tokens=3)
-    plain = [o[0] for o in LLMEngine(EngineConfig(**kw)).generate(PROMPTS, params)]
-    local = run(LLMEngine(EngineConfig(speculative=f"eagle:{head}", **kw)), PROMPTS, params)
-    address = f"127.0.0.1:{free_port()}"
-    log = open(tmp_path / "draft.log", "w")
-    proc = spawn(["draft", "--address", address, "--proposer", f"eagle:{head}", "--model", tiny, "--device", "cpu"],
-                 log)
+    plain = [t for t, _, _ in in_process(tiny, None)]
+    local = in_process(tiny, head)
+    draft, target = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    log = open(tmp_path / "services.log", "w")
+    procs = [spawn(["draft", "--address", draft, "--proposer", f"eagle:{head}", "--model", tiny, "--device", "cpu"],
+                   log),
+             spawn(["target", "--address", target, "--model", tiny, "--device", "cpu", "--num-kv-blocks", "128",
+                    "--block-size", "4", "--num-speculative-tokens", str(K), "--metrics-port", "0",
+                    "--progress", "false"], log)]
+    remote = []
     try:
-        wait_healthy(address, 120)
-        eng = LLMEngine(EngineConfig(**kw))
-        eng.proposer = RemoteProposer(address, timeout_s=60)
-        remote = run(eng, PROMPTS, params)
-        assert eng.proposer.wants_hidden and not eng.proposer.hidden
+        wait_healthy(draft, 120)
+        wait_healthy(target, 120)
+        with grpc.insecure_channel(draft) as ch:
+            stub = draft_pb2_grpc.DraftStub(ch)
+            for i, p in enumerate(PROMPTS):
+                req = target_pb2.TargetGenerateRequest(request_id=f"e{i}", prompt_token_ids=p, n=1,
+                                                       sampling=target_pb2.SamplingParams(max_tokens=TOKENS, top_p=1,
+                                                                                          ignore_eos=True))
+                toks, drafted, accepted = [], 0, 0
+                for msg in stub.Generate(draft_pb2.DraftGenerateRequest(target=target, request=req), timeout=120):
+                    for d in msg.deltas:
+                        toks += list(d.token_ids)
+                        drafted, accepted = d.draft_tokens, d.accepted_tokens
+                remote.append((toks, drafted, accepted))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-    assert local[0] == plain and remote[0] == plain         # greedy: speculation never changes the tokens
-    assert local[1] > 0 and remote[1:] == local[1:]          # same drafts and acceptances: the features arrived
-
-
-def test_a_draft_that_reads_no_hidden_states_is_sent_none(tiny_with_head, tmp_path):
-    from services.target.remote_proposer import RemoteProposer
-    tiny, _ = tiny_with_head
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kw = dict(model=tiny, progress=False, num_kv_blocks=128, block_size=4, num_speculative_tokens=3)
-    address = f"127.0.0.1:{free_port()}"
-    proc = spawn(["draft", "--address", address, "--proposer", "ngram"], open(tmp_path / "draft.log", "w"))
-    try:
-        wait_healthy(address, 120)
-        eng = LLMEngine(EngineConfig(**kw))
-        eng.proposer = RemoteProposer(address, timeout_s=60)
-        out, drafted, _ = run(eng, PROMPTS, params)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-    assert drafted > 0 and not eng.proposer.wants_hidden and not eng.proposer.hidden
-    assert out == [o[0] for o in LLMEngine(EngineConfig(**kw)).generate(PROMPTS, params)]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(30)
+    assert [t for t, _, _ in local] == plain and [t for t, _, _ in remote] == plain   # greedy: same tokens
+    assert sum(d for _, d, _ in local) > 0
+    assert remote == local              # same drafts and acceptances per request: the hidden states arrived

@@ -1,7 +1,8 @@
 """100 speculative requests through a real target and a real draft service (a small draft model with its own paged
 KV), a quarter of them cancelled mid-stream: afterwards neither service holds a KV block or any per-sequence state.
 
-Tiny random Llamas (target and a different draft) keep it fast; the target is driven through its own gRPC API.
+Tiny random Llamas (target and a different draft) keep it fast; requests go to the draft's own gRPC API (as the
+router sends them), and the draft drives its Verify stream to the target.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, free_port
-from upesi.v1 import target_pb2, target_pb2_grpc
+from upesi.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ def test_no_leaks_after_100_speculative_requests_with_cancellations(tmp_path):
     procs = [subprocess.Popen([*cli, "draft", "--address", draft, "--proposer", f"draft-model:{draft_dir}",
                                "--metrics-port", str(metrics), "--kv-blocks", "256", "--num-threads", "1"],
                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)]
-    procs.append(subprocess.Popen([*cli, "target", "--model", str(target_dir), "--address", target, "--draft", draft,
+    procs.append(subprocess.Popen([*cli, "target", "--model", str(target_dir), "--address", target,
                                    "--num-speculative-tokens", "3", "--metrics-port", "0", "--num-kv-blocks", "256",
                                    "--num-threads", "1", "--progress", "false"],
                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
@@ -81,15 +82,16 @@ def test_no_leaks_after_100_speculative_requests_with_cancellations(tmp_path):
         lock = threading.Lock()
 
         def worker(w: int) -> None:
-            with grpc.insecure_channel(target) as ch:
-                stub = target_pb2_grpc.TargetStub(ch)
+            with grpc.insecure_channel(draft) as ch:
+                stub = draft_pb2_grpc.DraftStub(ch)
                 for i in range(w, REQUESTS, WORKERS):
                     g = torch.Generator().manual_seed(i)
                     prompt = torch.randint(1, V, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g)
                     sampling = target_pb2.SamplingParams(temperature=0.0 if i % 2 else 1.0, top_p=1.0, seed=i,
                                                          max_tokens=24, ignore_eos=True)
-                    stream = stub.Generate(target_pb2.TargetGenerateRequest(
-                        request_id=f"r{i}", prompt_token_ids=prompt.tolist(), sampling=sampling, n=1), timeout=120)
+                    stream = stub.Generate(draft_pb2.DraftGenerateRequest(target=target, request=(
+                        target_pb2.TargetGenerateRequest(request_id=f"r{i}", prompt_token_ids=prompt.tolist(),
+                                                         sampling=sampling, n=1))), timeout=120)
                     try:
                         if i % 4 == 0:                       # a quarter of the clients cancel mid-stream
                             next(stream), next(stream)

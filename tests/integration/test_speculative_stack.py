@@ -1,7 +1,8 @@
-"""Speculative decoding across processes: router -> target, which takes proposals from a draft service.
+"""Speculative decoding across processes: router -> draft service, which drives a Verify stream to the target.
 
 Greedy output equals transformers' (and so non-speculative) output; speculation is used and counted; if the draft
-dies mid-request the request finishes without speculation and without an error; no KV block leaks.
+dies mid-request the router attaches to the request on the target, which finishes it without speculation and
+without an error; no KV block leaks.
 """
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def spec_stack(tmp_path_factory):
     draft, target, router = (f"127.0.0.1:{free_port()}" for _ in range(3))
     metrics = free_port()
     procs = {"draft": spawn(["draft", "--address", draft, "--proposer", "ngram"], log)}
-    procs["target"] = spawn(["target", "--address", target, "--draft", draft, "--num-speculative-tokens", "4",
+    procs["target"] = spawn(["target", "--address", target, "--num-speculative-tokens", "4",
                              "--metrics-port", str(metrics), "--kv-cache-gb", "0.25"], log)
-    procs["router"] = spawn(["router", "--address", router, "--target", target, "--http-port", "0"], log)
+    procs["router"] = spawn(["router", "--address", router, "--target", target, "--draft", draft,
+                             "--http-port", "0"], log)
     try:
         wait_healthy(router)
         yield {"router": router, "target": target, "draft": draft, "metrics": metrics, "procs": procs}
@@ -93,3 +95,24 @@ def test_draft_dying_mid_request_is_invisible_to_the_client(spec_stack, hf_greed
     with grpc.insecure_channel(spec_stack["target"]) as ch:
         load = target_pb2_grpc.TargetStub(ch).Load(target_pb2.LoadRequest(), timeout=10)
         assert load.kv_blocks_used == 0
+
+
+def test_target_dying_mid_request_gives_unavailable_promptly(spec_stack):
+    """Last in this module: it kills the target. The draft's Verify stream breaks, the router's attempt to attach
+    on the target fails too, and the client gets UNAVAILABLE (not a hang until the deadline)."""
+    spec_stack["procs"]["draft"] = spawn(["draft", "--address", spec_stack["draft"], "--proposer", "ngram"],
+                                         open("/dev/null", "w"))           # the previous test killed it
+    wait_healthy(spec_stack["draft"])
+    with grpc.insecure_channel(spec_stack["router"]) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        stream = stub.GenerateStream(chat(CHAT_PROMPTS[2], max_tokens=400, temperature=0, ignore_eos=True),
+                                     timeout=120)
+        first = next(stream)
+        assert first.choices[0].token_ids
+        t0 = time.monotonic()
+        spec_stack["procs"]["target"].kill()
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in stream:
+                pass
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        assert time.monotonic() - t0 < 10

@@ -4,9 +4,10 @@
 collector inside this test (a real gRPC TraceService keeping what it is sent). One Generate call must give one trace
 with spans from the router, target, draft and expert services, parented as the request flowed:
 
-  router Generation/Generate -> router client Target/Generate -> target server Target/Generate
-      -> prefill, verify (speculation), propose -> target client Draft/Propose -> draft server Draft/Propose
-      -> expert dispatch -> expert server Experts/Dispatch (each shard, each layer)
+  router Generation/Generate -> router client Draft/Generate -> draft server Draft/Generate
+      -> target "Verify open" (the request, opened on the draft's Verify stream with its trace context)
+          -> prefill, verify (speculation), propose -> draft "draft propose" (the draft's answer to that step)
+          -> expert dispatch -> expert server Experts/Dispatch (each shard, each layer)
 """
 from __future__ import annotations
 
@@ -154,18 +155,19 @@ def test_one_trace_spans_all_four_services(traced):
         assert found, f"no {name} span from the {svc_name}"
         return found
 
-    (target_server,) = one("target", "/upesi.v1.Target/Generate")
-    router_client = parent(target_server)
+    (draft_server,) = one("draft", "/upesi.v1.Draft/Generate")
+    router_client = parent(draft_server)
     assert router_client[0] == "router" and parent(router_client[1])[1] is root
+    (target_server,) = one("target", "/upesi.v1.Target/Verify open")
+    assert parent(target_server)[1] is draft_server
     (prefill,) = one("target", "prefill")
     assert parent(prefill)[1] is target_server
     assert dict((a.key, a.value.int_value) for a in prefill.attributes)["upesi.prompt_tokens"] > 0
     for v in one("target", "verify"):
         assert parent(v)[1] is target_server
-    for d in one("draft", "/upesi.v1.Draft/Propose"):           # draft <- target client span <- propose step
-        client = parent(d)
-        assert client[0] == "target"
-        assert parent(client[1])[1].name == "propose" and parent(parent(client[1])[1])[1] is target_server
+    for d in one("draft", "draft propose"):                     # the draft's answer <- the target's propose step
+        step = parent(d)
+        assert step[0] == "target" and step[1].name == "propose" and parent(step[1])[1] is target_server
     dispatch = one("target", "expert dispatch")
     for d in dispatch:
         assert parent(d)[1] is target_server

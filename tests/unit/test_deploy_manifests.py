@@ -371,8 +371,8 @@ def test_services_pdbs_and_addresses(objects, cli):
         service_port(f"{m[1]}:{m[2]}", f"{who} --registry")
     assert router.registry == target.registry
     assert router.http_host == "0.0.0.0"
-    # the target reaches the draft service and every expert shard, in shard order (shard i = StatefulSet pod i)
-    service_port(target.draft, "target --draft")
+    # the router reaches the draft service; the target every expert shard, in shard order (shard i = pod i)
+    service_port(router.draft, "router --draft")
     shards = [a.strip() for a in target.expert_shards.split(",")]
     sts = next(w for w in workloads if w["kind"] == "StatefulSet" and w["metadata"]["name"] == "upesi-experts")
     experts = by_command["experts"]
@@ -464,8 +464,8 @@ def test_compose_commands_use_real_flags(compose, cli):
     for ns in (router, target):
         assert ns.registry == "redis://redis:6379/0"
     assert target.metrics_port == 8061 and router.http_port == 8000 and router.http_host == "0.0.0.0"
-    host, port = _hostport(target.draft)
-    assert host == "draft" and port == _port(parsed["draft"].address), f"target --draft {target.draft}"
+    host, port = _hostport(router.draft)
+    assert host == "draft" and port == _port(parsed["draft"].address), f"router --draft {router.draft}"
     shards = [a.strip() for a in target.expert_shards.split(",")]
     for i, a in enumerate(shards):                   # shard i of the target's list is the service with index i
         host, port = _hostport(a)

@@ -1,0 +1,63 @@
+"""The router's view of a draft replica: speculative requests go through it, and survive it.
+
+`generate` asks the draft to run the request with a named target (the draft drives the Verify stream, see
+protos/upesi/v1/draft.proto). If the draft fails (UNAVAILABLE: it died, or cannot reach the target), the router
+attaches to the request on the target itself, which has been going on without speculation; the target replays the
+request's output from its first token, and the tokens the client already has are skipped. The client sees one
+uninterrupted stream. If the target is gone too, that attach fails with UNAVAILABLE, which the client gets.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.router.target_client import StepOutput, TargetClient, read_steps, target_request
+from shared.engine.sampling_params import SamplingParams
+from shared.rpc.channel import aio_channel
+from upesi.v1 import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger("upesi.router.draft")
+
+
+class DraftClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = aio_channel(address)
+        self.stub = draft_pb2_grpc.DraftStub(self.channel)
+        self.in_flight = 0
+
+    async def generate(self, target: TargetClient, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout: float | None) -> AsyncIterator[StepOutput]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        have: dict[int, int] = {}                         # choice -> tokens the caller already got
+        self.in_flight += 1
+        try:
+            call = self.stub.Generate(draft_pb2.DraftGenerateRequest(
+                target=target.address, request=target_request(request_id, prompt, params)), timeout=timeout)
+            async for out in read_steps(call, params.n):
+                for index, tokens, _ in out.deltas:
+                    have[index] = have.get(index, 0) + len(tokens)
+                yield out
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            log.warning("draft %s failed mid-request (%s); %s goes on with target %s alone", self.address,
+                        e.details() or e.code().name, request_id, target.address)
+        finally:
+            self.in_flight -= 1
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        async for out in target.generate(request_id, prompt, params, left, attach=True):
+            deltas = []
+            for index, tokens, reason in out.deltas:
+                skip = min(have.get(index, 0), len(tokens))
+                have[index] = have.get(index, 0) - skip
+                deltas.append((index, tokens[skip:], reason))
+            out.deltas = deltas
+            yield out
+
+    async def close(self) -> None:
+        await self.channel.close()

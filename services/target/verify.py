@@ -1,0 +1,238 @@
+"""The target's side of `Target.Verify`: a draft service drives speculative decoding over one bidirectional stream.
+
+    draft                                   target (this module)                      engine thread
+      hello {wants_hidden}           ─►  VerifyLink
+      open {request}                 ─►    bind request -> StreamProposer; Relay runs engine.generate
+                                     ◄─    output {request_id, tokens}   (relayed by the draft to the router)
+                                                                          step: propose(seqs of this stream)
+                                     ◄─    propose {step, verdicts}     ◄── StreamProposer.propose (waits)
+      proposals {step, K tokens, q}  ─►    answer(step)                  ──► drafts appended, verified next step
+      abort {request_id}             ─►    engine.abort
+
+A verdict is a DraftSequence delta: the draft keeps `base` tokens of what it saw and appends `tokens` (accepted
+drafts plus the correction or bonus token), with the target's hidden states of accepted positions for proposers
+that read them. If the stream breaks (the draft died), its requests go on without speculation; their output is kept
+(`Relay.history`) for a caller that attaches (Generate with attach=True) within ORPHAN_S, else they are aborted.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+import torch
+
+from services.draft.codec import hidden_to_pb, probs_from_pb
+from shared import telemetry
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.proposer_mux import ProposerMux
+from shared.engine.proposers import Proposal
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import Sequence
+from upesi.v1 import target_pb2
+
+log = logging.getLogger("upesi.target.verify")
+
+ORPHAN_S = 30.0          # how long the requests of a broken stream wait for a caller to attach
+
+
+class StreamProposer:
+    """The proposer of one Verify stream's sequences, called on the engine thread: one exchange per step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, outbox: asyncio.Queue, timeout_s: float,
+                 retry_after_s: float = 5.0) -> None:
+        self.loop, self.outbox, self.timeout_s, self.retry_after_s = loop, outbox, timeout_s, retry_after_s
+        self.wants_hidden = True                  # until the draft's hello says otherwise
+        self.alive = True
+        self.down_until = 0.0
+        self.sent: dict[int, int] = {}            # seq_id -> tokens the draft has (still valid ones counted)
+        self.known: set[int] = set()              # seq_ids the draft may hold a mirror of (released at the end)
+        self.hidden: dict[int, tuple[int, list[torch.Tensor]]] = {}   # seq_id -> (first position, [M, D] pieces)
+        self.step = 0
+        self.waiting: tuple[int, concurrent.futures.Future] | None = None
+
+    def _send(self, msg: target_pb2.VerifyDown) -> None:
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, msg)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        none: list[Proposal] = [([], None)] * len(seqs)
+        if not self.alive or time.monotonic() < self.down_until:
+            return none
+        req = target_pb2.ProposeRequest()
+        for s, k in zip(seqs, ks):
+            base = min(self.sent.get(s.seq_id, 0), len(s.token_ids))
+            p = s.params
+            self.known.add(s.seq_id)
+            msg = req.seqs.add(key=str(s.seq_id), base=base, tokens=s.token_ids[base:], k=k,
+                               temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+            pending = self.hidden.pop(s.seq_id, None)
+            if pending is not None:
+                msg.hidden, msg.hidden_rows, msg.hidden_dim = hidden_to_pb(torch.cat(pending[1]))
+                msg.hidden_start = pending[0]
+        self.step += 1
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.waiting = (self.step, fut)
+        self._send(target_pb2.VerifyDown(propose=req, step=self.step, traceparent=telemetry.traceparent()))
+        try:
+            resp: target_pb2.ProposeResponse | None = fut.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            resp = None
+        finally:
+            self.waiting = None
+        if resp is None or len(resp.proposals) != len(seqs):
+            if self.alive:
+                log.warning("the draft did not answer step %d in %.1f s; decoding without it for %.0f s", self.step,
+                            self.timeout_s, self.retry_after_s)
+                self.down_until = time.monotonic() + self.retry_after_s
+            self.sent.clear()                     # re-send whole sequences when it answers again
+            self.hidden.clear()
+            return none
+        out = []
+        for s, prop in zip(seqs, resp.proposals):
+            self.sent[s.seq_id] = len(s.token_ids)        # proposals beyond this are re-validated next time
+            out.append((list(prop.tokens), probs_from_pb(prop)))
+        return out
+
+    def answer(self, step: int, resp: target_pb2.ProposeResponse) -> None:
+        """The draft's proposals for `step` (on the event loop)."""
+        waiting = self.waiting
+        if waiting is not None and waiting[0] == step and not waiting[1].done():
+            waiting[1].set_result(resp)
+
+    def close(self) -> None:
+        """The stream ended: its sequences decode without speculation from now on."""
+        self.alive = False
+        waiting = self.waiting
+        if waiting is not None and not waiting[1].done():
+            waiting[1].set_result(None)
+
+    def accept_hidden(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Keeps the target's hidden states [M, D] of positions start .. start + M - 1 for the next verdict."""
+        if not self.wants_hidden or not self.alive:
+            return
+        first, pieces = self.hidden.get(seq.seq_id, (start, []))
+        end = first + sum(len(x) for x in pieces)
+        if start < first or start > end:             # recomputed from earlier, or a gap: send from here
+            first, pieces = start, []
+        elif start < end:                            # recomputed positions: keep what comes before them
+            kept = torch.cat(pieces)[:start - first]
+            pieces = [kept] if len(kept) else []
+        self.hidden[seq.seq_id] = (first, pieces + [hidden.detach().clone()])
+
+    def release(self, seq_id: int) -> None:
+        """The sequence ended: the draft frees its mirror (a one-way message, no answer)."""
+        self.hidden.pop(seq_id, None)
+        self.sent.pop(seq_id, None)
+        if seq_id in self.known and self.alive:
+            self.known.discard(seq_id)
+            self._send(target_pb2.VerifyDown(propose=target_pb2.ProposeRequest(released=[str(seq_id)]), step=0))
+
+
+class Relay:
+    """One request opened on a Verify stream: its output goes to the stream, or to a caller that attached."""
+
+    def __init__(self, request_id: str, sink: asyncio.Queue | None) -> None:
+        self.request_id = request_id
+        self.sink = sink                              # where new messages go (None: nobody listens now)
+        self.history: list[target_pb2.TargetGenerateResponse] = []
+        self.done = False
+        self.task: asyncio.Task | None = None
+        self.orphan_timer: asyncio.TimerHandle | None = None
+
+    def push(self, msg: target_pb2.TargetGenerateResponse | BaseException | None) -> None:
+        if isinstance(msg, target_pb2.TargetGenerateResponse):
+            self.history.append(msg)
+        if self.sink is not None:
+            self.sink.put_nowait((self.request_id, msg))
+
+
+def delta_to_pb(d, first: bool) -> target_pb2.TargetGenerateResponse:
+    msg = target_pb2.TargetGenerateResponse(deltas=[target_pb2.TokenDelta(
+        index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
+        draft_tokens=d.num_draft_tokens, accepted_tokens=d.num_accepted_tokens)])
+    if first:
+        msg.prompt_tokens, msg.cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
+    return msg
+
+
+class Relays:
+    """Every stream-opened request of this target, by id, until it ends (or its orphan time runs out)."""
+
+    def __init__(self, engine: AsyncEngine, mux: ProposerMux) -> None:
+        self.engine, self.mux = engine, mux
+        self.by_id: dict[str, Relay] = {}
+
+    def start(self, request_id: str, prompt: list[int], params: SamplingParams, proposer: StreamProposer,
+              sink: asyncio.Queue, trace_ctx: str = "") -> Relay:
+        """Runs the request with drafts from `proposer`; trace_ctx: the opener's W3C traceparent (or "")."""
+        relay = self.by_id[request_id] = Relay(request_id, sink)
+        self.mux.bind(request_id, proposer)
+        relay.task = asyncio.get_running_loop().create_task(self._run(relay, prompt, params, trace_ctx))
+        return relay
+
+    async def _run(self, relay: Relay, prompt: list[int], params: SamplingParams, trace_ctx) -> None:
+        first = True
+        span, ctx = telemetry.request_span("/upesi.v1.Target/Verify open", trace_ctx)
+        if ctx is not None:
+            telemetry.attach(ctx)                      # this task's context: the engine's spans go under the span
+        try:
+            async for d in self.engine.generate(relay.request_id, prompt, params):
+                relay.push(delta_to_pb(d, first))
+                first = False
+            relay.push(None)                                   # the end of the request
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:                                 # invalid request, engine failure: to the caller
+            relay.push(e)
+        finally:
+            if span is not None:
+                span.end()
+            relay.done = True
+            self.mux.unbind(relay.request_id)
+            if relay.orphan_timer is not None:
+                relay.orphan_timer.cancel()
+                relay.orphan_timer = None
+            self._forget_later(relay)
+
+    def _forget_later(self, relay: Relay) -> None:
+        """A finished request's output stays a little while, for a caller that attaches late."""
+        asyncio.get_running_loop().call_later(ORPHAN_S, lambda: self.by_id.pop(relay.request_id, None)
+                                              if self.by_id.get(relay.request_id) is relay else None)
+
+    def abort(self, request_id: str) -> None:
+        relay = self.by_id.get(request_id)
+        if relay is not None and relay.task is not None:
+            relay.task.cancel()                                # engine.generate's finally aborts the request
+
+    def orphan(self, relays: list[Relay]) -> None:
+        """Their stream broke: keep them running alone; abort those nobody attaches to within ORPHAN_S."""
+        loop = asyncio.get_running_loop()
+        for relay in relays:
+            relay.sink = None
+            self.mux.unbind(relay.request_id)
+            if not relay.done:
+                relay.orphan_timer = loop.call_later(ORPHAN_S, self._expire, relay)
+
+    def _expire(self, relay: Relay) -> None:
+        if relay.sink is None:
+            log.info("request %s: no caller attached in %.0f s after its draft went away; aborting",
+                     relay.request_id, ORPHAN_S)
+            self.abort(relay.request_id)
+            self.by_id.pop(relay.request_id, None)
+
+    def attach(self, request_id: str) -> tuple[asyncio.Queue, list] | None:
+        """A caller takes over the request: (its queue of (id, message | error | None), the output so far)."""
+        relay = self.by_id.get(request_id)
+        if relay is None:
+            return None
+        if relay.orphan_timer is not None:
+            relay.orphan_timer.cancel()
+            relay.orphan_timer = None
+        self.mux.unbind(request_id)                            # no more drafts from the stream that opened it
+        queue: asyncio.Queue = asyncio.Queue()
+        relay.sink = queue
+        history = list(relay.history)
+        if relay.done:
+            queue.put_nowait((request_id, None))
+        return queue, history

@@ -1,0 +1,98 @@
+"""The target's side of a Verify stream without gRPC: what StreamProposer sends for each engine step (verdict
+deltas, hidden states only to a draft that reads them, one-way releases), and how it copes with a silent draft."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from services.target.verify import StreamProposer
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import Sequence
+from upesi.v1 import target_pb2
+
+
+def _seq(tokens: list[int]) -> Sequence:
+    return Sequence("r", 0, tokens, SamplingParams(temperature=0, max_tokens=64))
+
+
+async def _exchange(proposer: StreamProposer, outbox: asyncio.Queue, seqs, ks, answer):
+    """Runs propose on a worker thread (as the engine thread does) and answers its message with `answer(msg)`."""
+    task = asyncio.get_running_loop().run_in_executor(None, proposer.propose, seqs, ks)
+    msg = await asyncio.wait_for(outbox.get(), 5)
+    reply = answer(msg)
+    if reply is not None:
+        proposer.answer(msg.step, reply)
+    return msg, await task
+
+
+def _proposals(*token_lists) -> target_pb2.ProposeResponse:
+    return target_pb2.ProposeResponse(proposals=[target_pb2.DraftProposal(tokens=t) for t in token_lists])
+
+
+def test_verdicts_go_as_deltas_with_hidden_states_and_proposals_come_back():
+    async def main():
+        outbox: asyncio.Queue = asyncio.Queue()
+        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=5)
+        seq = _seq([5, 6, 7])
+        p.accept_hidden(seq, 0, torch.ones(2, 4))                    # positions 0, 1
+        msg, out = await _exchange(p, outbox, [seq], [3], lambda m: _proposals([8, 9, 10]))
+        (s,) = msg.propose.seqs
+        assert (s.base, list(s.tokens), s.k, s.hidden_start, s.hidden_rows, s.hidden_dim) == (0, [5, 6, 7], 3, 0, 2, 4)
+        assert out == [([8, 9, 10], None)]
+        seq.token_ids += [8, 11]                                     # 8 accepted, 11 the correction
+        p.accept_hidden(seq, 2, torch.zeros(2, 4))
+        msg, _ = await _exchange(p, outbox, [seq], [2], lambda m: _proposals([12, 13]))
+        (s,) = msg.propose.seqs
+        assert (s.base, list(s.tokens), s.hidden_start, s.hidden_rows) == (3, [8, 11], 2, 2)
+        p.wants_hidden = False                                       # a draft that reads none (its hello)
+        p.accept_hidden(seq, 4, torch.zeros(1, 4))
+        msg, _ = await _exchange(p, outbox, [seq], [2], lambda m: _proposals([1]))
+        assert msg.propose.seqs[0].hidden == b""
+        p.release(seq.seq_id)                                        # one-way: step 0, no answer awaited
+        rel = await asyncio.wait_for(outbox.get(), 5)
+        assert rel.step == 0 and list(rel.propose.released) == [str(seq.seq_id)] and not rel.propose.seqs
+        p.release(seq.seq_id)                                        # only once
+        await asyncio.sleep(0.05)
+        assert outbox.empty()
+    asyncio.run(main())
+
+
+def test_a_silent_draft_costs_one_timeout_then_steps_go_on_without_it():
+    async def main():
+        outbox: asyncio.Queue = asyncio.Queue()
+        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=0.2, retry_after_s=60)
+        seq = _seq([1, 2, 3])
+        msg, out = await _exchange(p, outbox, [seq], [2], lambda m: None)       # never answered
+        assert out == [([], None)] and p.sent == {}
+        out = await asyncio.get_running_loop().run_in_executor(None, p.propose, [seq], [2])
+        assert out == [([], None)] and outbox.empty()                            # no message while it is down
+        p.release(seq.seq_id)                                                    # it may hold a mirror: release
+        assert (await asyncio.wait_for(outbox.get(), 5)).propose.released == [str(seq.seq_id)]
+    asyncio.run(main())
+
+
+def test_a_closed_stream_ends_the_wait_at_once():
+    async def main():
+        outbox: asyncio.Queue = asyncio.Queue()
+        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=30)
+        seq = _seq([1, 2])
+        loop = asyncio.get_running_loop()
+        msg, out = await _exchange(p, outbox, [seq], [2], lambda m: loop.call_later(0.05, p.close) and None)
+        assert out == [([], None)] and not p.alive
+        assert await loop.run_in_executor(None, p.propose, [seq], [2]) == [([], None)]
+    asyncio.run(main())
+
+
+def test_an_answer_for_another_step_is_ignored():
+    async def main():
+        outbox: asyncio.Queue = asyncio.Queue()
+        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=0.3)
+        seq = _seq([1, 2])
+
+        def stale(m):
+            p.answer(m.step + 7, _proposals([9]))                    # a late answer to some other step
+            return None
+        _, out = await _exchange(p, outbox, [seq], [1], stale)
+        assert out == [([], None)]
+    asyncio.run(main())
