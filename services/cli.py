@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("router", "run the router: public gRPC API (and HTTP /health, /metrics)", router)
     add("target", "run a target: model, paged KV cache, continuous batching", target)
     add("experts", "run an expert shard: the FFN weights placed on it, stateless batched compute", experts)
-    add("draft", "run a draft service: speculative proposals (n-gram or a small draft model) for targets", draft)
+    add("draft", "run a draft service: drives speculative decoding with a target over a Verify stream (n-gram, "
+        "a small draft model or an EAGLE head)", draft)
     add("train-draft", "train an EAGLE-style draft head for a target by self-distillation", train_draft_cmd)
     return p
 

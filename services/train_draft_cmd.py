@@ -101,15 +101,22 @@ def generate_answers(engine, prompts: list[list[int]], max_tokens: int, batch: i
     return [done[tuple(p)] for p in prompts]
 
 
-def teacher_features(engine, seqs: list[list[int]]):
-    """Target hidden states before the final norm at every position of every sequence -> list of [T, D]."""
+def teacher_features(engine, seqs: list[list[int]], tokens_per_pass: int = 2048):
+    """Target hidden states before the final norm at every position of every sequence -> list of [T, D] fp32.
+    Several sequences per forward pass, no LM head."""
     from tqdm import tqdm
 
-    engine.runner.capture_hidden()
     feats = []
-    for ids in tqdm(seqs, desc="target features", unit="seq"):
-        engine.score(ids)
-        feats.append(engine.runner.last_hidden.float().clone())                 # [T, D]
+    with tqdm(total=sum(map(len, seqs)), desc="target features", unit="tok") as bar:
+        i = 0
+        while i < len(seqs):
+            j, n = i, 0
+            while j < len(seqs) and (j == i or n + len(seqs[j]) <= tokens_per_pass):
+                n += len(seqs[j])
+                j += 1
+            feats += engine.hidden_states(seqs[i:j])
+            bar.update(n)
+            i = j
     return feats
 
 

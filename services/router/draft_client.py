@@ -23,11 +23,16 @@ log = logging.getLogger("upesi.router.draft")
 
 
 class DraftClient:
-    def __init__(self, address: str) -> None:
-        self.address = address
+    def __init__(self, address: str, retry_after_s: float = 5.0) -> None:
+        self.address, self.retry_after_s = address, retry_after_s
         self.channel = aio_channel(address)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
         self.in_flight = 0
+        self.down_until = 0.0                 # after a failure, requests skip this draft for retry_after_s
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
 
     async def generate(self, target: TargetClient, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout: float | None) -> AsyncIterator[StepOutput]:
@@ -45,6 +50,7 @@ class DraftClient:
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
+            self.down_until = time.monotonic() + self.retry_after_s
             log.warning("draft %s failed mid-request (%s); %s goes on with target %s alone", self.address,
                         e.details() or e.code().name, request_id, target.address)
         finally:

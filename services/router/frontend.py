@@ -86,11 +86,12 @@ class Frontend:
         return next(t for t in self.targets if t.address == chosen)
 
     def choose_draft(self, params: SamplingParams) -> DraftClient | None:
-        """The least busy draft replica for a speculative request; None when it is not one (K = 0, beam search)
-        or no draft is configured."""
-        if not self.drafts or params.num_speculative_tokens == 0 or params.beam_width > 1:
+        """The least busy draft replica for a speculative request; None when it is not one (K = 0, beam search),
+        no draft is configured, or every draft failed in the last few seconds (the target then decodes alone)."""
+        up = [d for d in self.drafts if d.up]
+        if not up or params.num_speculative_tokens == 0 or params.beam_width > 1:
             return None
-        return min(self.drafts, key=lambda d: d.in_flight)
+        return min(up, key=lambda d: d.in_flight)
 
     def prepare(self, inp: GenerationInput, caller: Caller) -> tuple[list[int], SamplingParams]:
         """Validates and tokenises within the caller's limits; raises InvalidRequest with a message a person can

@@ -119,6 +119,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                     mine[req.request_id] = self.relays.start(req.request_id, list(req.prompt_token_ids), params,
                                                              proposer, outbox, up.traceparent)
                 elif kind == "abort":
+                    mine.pop(up.abort.request_id, None)
                     self.relays.abort(up.abort.request_id)
                 elif kind == "hello":
                     proposer.wants_hidden = up.hello.wants_hidden

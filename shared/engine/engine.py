@@ -339,6 +339,28 @@ class LLMEngine:
         finally:
             self.block_manager.free(seq)
 
+    @torch.inference_mode()
+    def hidden_states(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced last hidden states before the final norm, [T, D] per sequence (no logits), several
+        sequences per forward pass (what EAGLE-style heads are trained on)."""
+        from shared.engine.scheduler import ScheduledBatch
+
+        self.runner.capture_hidden()
+        seqs = [Sequence("hidden", 0, ids, SamplingParams(temperature=0, max_tokens=1)) for ids in sequences]
+        if any(not ids for ids in sequences):
+            raise InvalidRequest("an empty sequence has no hidden states")
+        for seq in seqs:
+            if not self.block_manager.can_allocate(seq):
+                raise InvalidRequest(f"{len(seq)} tokens do not fit in the free KV blocks")
+            self.block_manager.allocate(seq)
+        try:
+            input_ids, positions, meta, _, _ = self.runner.prepare(ScheduledBatch(seqs, [len(s) for s in seqs], 0))
+            self.runner.model(input_ids, positions, meta, self.runner.kv_caches)             # [T, D]
+            return list(self.runner.last_hidden.float().split([len(s) for s in seqs]))
+        finally:
+            for seq in seqs:
+                self.block_manager.free(seq)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[list[int]]]:
         """Runs prompts to completion together; returns token ids [prompt][choice]."""

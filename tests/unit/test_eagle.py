@@ -137,3 +137,21 @@ def test_drafts_follow_the_eagle_recurrence(post_norm):
     assert prop.propose([seq], [4])[0][0] == want
     st = prop.states[seq.seq_id]                       # the drafts' keys: same features, tokens and positions
     assert st.real == n and torch.allclose(st.k, k[0, :n + 3], atol=1e-5)
+
+
+def test_batched_teacher_features_equal_one_sequence_at_a_time(tmp_path):
+    """train-draft's features: several sequences per forward pass give each one's hidden states, exactly."""
+    from services.train_draft_cmd import teacher_features
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from tests.parity.test_tiny_llama import save_tiny
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4))
+    seqs = [[3, 5, 7, 9, 11], [2, 4], [8, 1, 6, 6, 6, 6, 6, 1, 2]]
+    batched = teacher_features(eng, seqs, tokens_per_pass=8)      # passes: [5 + 2], [9]
+    eng.runner.capture_hidden()
+    for ids, f in zip(seqs, batched):
+        eng.score(ids)
+        assert f.shape == (len(ids), eng.model_cfg.hidden_size)
+        torch.testing.assert_close(f, eng.runner.last_hidden.float(), rtol=1e-5, atol=1e-5)
+    assert eng.block_manager.num_used_blocks == 0
