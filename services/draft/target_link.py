@@ -17,7 +17,7 @@ from services.draft import metrics
 from services.draft.codec import deltas_from_pb, proposals_to_pb
 from services.draft.proposer_service import DraftState
 from shared import telemetry
-from shared.rpc.channel import aio_channel
+from shared.rpc.channel import aio_channel, keepalive_options
 from shared.rpc.errors import PeerUnavailable, Relayed
 from upesi.v1 import target_pb2, target_pb2_grpc
 
@@ -27,7 +27,7 @@ log = logging.getLogger("upesi.draft.link")
 class TargetLink:
     def __init__(self, address: str, state: DraftState) -> None:
         self.address, self.state = address, state
-        self.channel = aio_channel(address)
+        self.channel = aio_channel(address, options=keepalive_options())
         self.outbox: asyncio.Queue = asyncio.Queue()                     # VerifyUp messages
         self.requests: dict[str, asyncio.Queue] = {}                     # request id -> its output
         self.keys: set[str] = set()                                      # sequences this stream mirrors
@@ -50,7 +50,7 @@ class TargetLink:
                 kind = down.WhichOneof("kind")
                 if kind == "propose":
                     if down.step == 0:                                   # releases only
-                        self._release(list(down.propose.released))
+                        await asyncio.to_thread(self._release, [self._key(k) for k in down.propose.released])
                     else:
                         await self._answer(down)
                 elif kind == "output":
@@ -72,17 +72,30 @@ class TargetLink:
             self.closed = True
             for q in self.requests.values():
                 q.put_nowait(err)
-            self._release(list(self.keys))                              # the target forgets them too
+            await asyncio.to_thread(self._release, list(self.keys))     # the target forgets them too
 
     async def _answer(self, down: target_pb2.VerifyDown) -> None:
-        """One target step's verdicts -> the next proposals (computed off the event loop, in order)."""
-        deltas = deltas_from_pb(down.propose)
-        self.keys.update(d.key for d in deltas)
-        with telemetry.span_from("draft propose", down.traceparent, {"upesi.seqs": len(deltas)}):
-            proposals = await asyncio.to_thread(metrics.propose, self.state, deltas, list(down.propose.released))
-        self.keys.difference_update(down.propose.released)
+        """One target step's verdicts -> the next proposals (computed off the event loop, in order). A step that
+        fails here is answered with no proposals (those sequences decode one token), never by ending the stream."""
+        released = [self._key(k) for k in down.propose.released]
+        try:
+            deltas = deltas_from_pb(down.propose)
+            for d in deltas:
+                d.key = self._key(d.key)
+            self.keys.update(d.key for d in deltas)
+            with telemetry.span_from("draft propose", down.traceparent, {"upesi.seqs": len(deltas)}):
+                proposals = await asyncio.to_thread(metrics.propose, self.state, deltas, released)
+        except Exception:
+            log.exception("proposing for %d sequences of %s failed; answering with none", len(down.propose.seqs),
+                          self.address)
+            proposals = [([], None)] * len(down.propose.seqs)
+        self.keys.difference_update(released)
         self.outbox.put_nowait(target_pb2.VerifyUp(step=down.step, proposals=proposals_to_pb(
             proposals, self.state.wants_hidden)))
+
+    def _key(self, seq_key: str) -> str:
+        """The target's sequence id, made unique among all targets this draft serves (one DraftState for all)."""
+        return f"{self.address}#{seq_key}"
 
     def _release(self, keys: list[str]) -> None:
         if keys:

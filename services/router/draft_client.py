@@ -4,7 +4,9 @@
 protos/upesi/v1/draft.proto). If the draft fails (UNAVAILABLE: it died, or cannot reach the target), the router
 attaches to the request on the target itself, which has been going on without speculation; the target replays the
 request's output from its first token, and the tokens the client already has are skipped. The client sees one
-uninterrupted stream. If the target is gone too, that attach fails with UNAVAILABLE, which the client gets.
+uninterrupted stream. If the target does not run the request (the draft never opened it), it starts there afresh
+when the client has nothing yet, and fails with UNAVAILABLE otherwise (two runs are never spliced). If the target is
+gone too, the client gets UNAVAILABLE.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import grpc
 
 from services.router.target_client import StepOutput, TargetClient, read_steps, target_request
 from shared.engine.sampling_params import SamplingParams
-from shared.rpc.channel import aio_channel
+from shared.rpc.channel import aio_channel, keepalive_options
+from shared.rpc.errors import PeerUnavailable
 from upesi.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("upesi.router.draft")
@@ -25,7 +28,7 @@ log = logging.getLogger("upesi.router.draft")
 class DraftClient:
     def __init__(self, address: str, retry_after_s: float = 5.0) -> None:
         self.address, self.retry_after_s = address, retry_after_s
-        self.channel = aio_channel(address)
+        self.channel = aio_channel(address, options=keepalive_options())
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
         self.in_flight = 0
         self.down_until = 0.0                 # after a failure, requests skip this draft for retry_after_s
@@ -56,7 +59,23 @@ class DraftClient:
         finally:
             self.in_flight -= 1
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        async for out in target.generate(request_id, prompt, params, left, attach=True):
+        try:
+            async for out in self._attach(target, request_id, prompt, params, left, dict(have)):
+                yield out
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            if any(have.values()):
+                raise PeerUnavailable(f"the draft {self.address} failed and the target {target.address} no longer "
+                                      "runs the request; retry it") from None
+            async for out in target.generate(request_id, prompt, params, left):
+                yield out
+
+    @staticmethod
+    async def _attach(target: TargetClient, request_id: str, prompt: list[int], params: SamplingParams,
+                      timeout: float | None, have: dict[int, int]) -> AsyncIterator[StepOutput]:
+        """The target's replay of the request from its first token, less what the caller already has."""
+        async for out in target.generate(request_id, prompt, params, timeout, attach=True):
             deltas = []
             for index, tokens, reason in out.deltas:
                 skip = min(have.get(index, 0), len(tokens))

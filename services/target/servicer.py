@@ -10,7 +10,7 @@ from services.target.verify import Relays, StreamProposer, delta_to_pb
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.proposer_mux import ProposerMux
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
-from shared.rpc.errors import map_errors, status_for
+from shared.rpc.errors import NotRunning, map_errors, status_for
 from upesi.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger("upesi.target")
@@ -40,7 +40,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     async def Generate(self, request: target_pb2.TargetGenerateRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidRequest("request_id is required")
-        if request.attach and (got := self.relays.attach(request.request_id)) is not None:
+        if request.attach:
+            got = self.relays.attach(request.request_id)
+            if got is None:
+                raise NotRunning(f"request {request.request_id!r} is not running on this target")
             async for msg in self._attached(request.request_id, *got):
                 yield msg
             return
@@ -73,7 +76,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         """One draft's stream (see services/target/verify.py): requests it opens, verdicts down, proposals up."""
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue = asyncio.Queue()   # VerifyDown, or (request id, output | error | None) from relays
-        proposer = StreamProposer(loop, outbox, self.verify_timeout_s)
+        proposer = StreamProposer(loop, outbox, self.verify_timeout_s,
+                                  vocab_size=self.engine.engine.model_cfg.vocab_size)
+        self.relays.mux.add(proposer)
         mine: dict[str, object] = {}
         reader = asyncio.create_task(self._read_verify(request_iterator, proposer, outbox, mine))
         try:
@@ -95,6 +100,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                     yield target_pb2.VerifyDown(request_id=rid, output=msg)
         finally:
             proposer.close()
+            self.relays.mux.remove(proposer)
             reader.cancel()
             self.relays.orphan([r for r in mine.values() if r.sink is outbox])
 
@@ -120,7 +126,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                                              proposer, outbox, up.traceparent)
                 elif kind == "abort":
                     mine.pop(up.abort.request_id, None)
-                    self.relays.abort(up.abort.request_id)
+                    self.relays.abort(up.abort.request_id, owner=outbox)
                 elif kind == "hello":
                     proposer.wants_hidden = up.hello.wants_hidden
         except Exception as e:                        # the draft went away mid-message; the finally below copes

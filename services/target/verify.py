@@ -41,8 +41,9 @@ class StreamProposer:
     """The proposer of one Verify stream's sequences, called on the engine thread: one exchange per step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, outbox: asyncio.Queue, timeout_s: float,
-                 retry_after_s: float = 5.0) -> None:
+                 retry_after_s: float = 5.0, vocab_size: int | None = None) -> None:
         self.loop, self.outbox, self.timeout_s, self.retry_after_s = loop, outbox, timeout_s, retry_after_s
+        self.vocab_size = vocab_size              # proposals outside it are refused (None: not checked)
         self.wants_hidden = True                  # until the draft's hello says otherwise
         self.alive = True
         self.down_until = 0.0
@@ -73,6 +74,9 @@ class StreamProposer:
         self.step += 1
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self.waiting = (self.step, fut)
+        if not self.alive:                        # closed meanwhile: close() may not have seen `waiting`
+            self.waiting = None
+            return none
         self._send(target_pb2.VerifyDown(propose=req, step=self.step, traceparent=telemetry.traceparent()))
         try:
             resp: target_pb2.ProposeResponse | None = fut.result(timeout=self.timeout_s)
@@ -89,10 +93,25 @@ class StreamProposer:
             self.hidden.clear()
             return none
         out = []
-        for s, prop in zip(seqs, resp.proposals):
+        for s, k, prop in zip(seqs, ks, resp.proposals):
             self.sent[s.seq_id] = len(s.token_ids)        # proposals beyond this are re-validated next time
-            out.append((list(prop.tokens), probs_from_pb(prop)))
+            out.append(self._checked(prop, k))
         return out
+
+    def _checked(self, prop: target_pb2.DraftProposal, k: int) -> Proposal:
+        """A proposal as the engine may use it: at most k tokens in the vocab, q [len, V] if any; a malformed one
+        (a misconfigured draft) is dropped, never allowed to fail the engine step."""
+        tokens = list(prop.tokens)[:k]
+        v = self.vocab_size
+        try:
+            q = probs_from_pb(prop)
+        except ValueError as e:
+            log.warning("dropping a malformed proposal: %s", e)
+            return [], None
+        if v is not None and (any(t >= v for t in tokens) or (q is not None and q.shape[-1] != v)):
+            log.warning("dropping a proposal outside the target's vocab of %d", v)
+            return [], None
+        return tokens, (q[:len(tokens)] if q is not None else None)
 
     def answer(self, step: int, resp: target_pb2.ProposeResponse) -> None:
         """The draft's proposals for `step` (on the event loop)."""
@@ -137,6 +156,7 @@ class Relay:
         self.sink = sink                              # where new messages go (None: nobody listens now)
         self.history: list[target_pb2.TargetGenerateResponse] = []
         self.done = False
+        self.aborted = False                          # cancelled: its output stops short, nobody may attach
         self.task: asyncio.Task | None = None
         self.orphan_timer: asyncio.TimerHandle | None = None
 
@@ -182,6 +202,7 @@ class Relays:
                 first = False
             relay.push(None)                                   # the end of the request
         except asyncio.CancelledError:
+            relay.aborted = True
             raise
         except Exception as e:                                 # invalid request, engine failure: to the caller
             relay.push(e)
@@ -200,10 +221,13 @@ class Relays:
         asyncio.get_running_loop().call_later(ORPHAN_S, lambda: self.by_id.pop(relay.request_id, None)
                                               if self.by_id.get(relay.request_id) is relay else None)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, owner: asyncio.Queue | None = None) -> None:
+        """Stops the request. owner: only if its output still goes there (a stream's abort must not stop a
+        request that a caller has attached to meanwhile)."""
         relay = self.by_id.get(request_id)
-        if relay is not None and relay.task is not None:
-            relay.task.cancel()                                # engine.generate's finally aborts the request
+        if relay is None or relay.task is None or (owner is not None and relay.sink is not owner):
+            return
+        relay.task.cancel()                                    # engine.generate's finally aborts the request
 
     def orphan(self, relays: list[Relay]) -> None:
         """Their stream broke: keep them running alone; abort those nobody attaches to within ORPHAN_S."""
@@ -224,7 +248,7 @@ class Relays:
     def attach(self, request_id: str) -> tuple[asyncio.Queue, list] | None:
         """A caller takes over the request: (its queue of (id, message | error | None), the output so far)."""
         relay = self.by_id.get(request_id)
-        if relay is None:
+        if relay is None or relay.aborted:
             return None
         if relay.orphan_timer is not None:
             relay.orphan_timer.cancel()

@@ -122,7 +122,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[Delta]:
-        if self.proposer is not None:
+        if self.proposer is not None and getattr(self.proposer, "active", True):
             self._propose()
         batch = self.scheduler.schedule()
         if not batch:
@@ -349,16 +349,18 @@ class LLMEngine:
         seqs = [Sequence("hidden", 0, ids, SamplingParams(temperature=0, max_tokens=1)) for ids in sequences]
         if any(not ids for ids in sequences):
             raise InvalidRequest("an empty sequence has no hidden states")
-        for seq in seqs:
-            if not self.block_manager.can_allocate(seq):
-                raise InvalidRequest(f"{len(seq)} tokens do not fit in the free KV blocks")
-            self.block_manager.allocate(seq)
+        allocated = []
         try:
+            for seq in seqs:
+                if not self.block_manager.can_allocate(seq):
+                    raise InvalidRequest(f"{len(seq)} tokens do not fit in the free KV blocks")
+                self.block_manager.allocate(seq)
+                allocated.append(seq)
             input_ids, positions, meta, _, _ = self.runner.prepare(ScheduledBatch(seqs, [len(s) for s in seqs], 0))
             self.runner.model(input_ids, positions, meta, self.runner.kv_caches)             # [T, D]
             return list(self.runner.last_hidden.float().split([len(s) for s in seqs]))
         finally:
-            for seq in seqs:
+            for seq in allocated:
                 self.block_manager.free(seq)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

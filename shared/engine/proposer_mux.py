@@ -13,6 +13,19 @@ class ProposerMux:
     def __init__(self, local: Proposer | None = None) -> None:
         self.local = local
         self.bound: dict[str, Proposer] = {}          # request id -> proposer (set by the caller's thread)
+        self.streams: dict[int, Proposer] = {}        # every live stream's proposer, bound requests or not
+
+    def add(self, proposer: Proposer) -> None:
+        """A proposer that requests may be bound to (a Verify stream's), until `remove`."""
+        self.streams[id(proposer)] = proposer
+
+    def remove(self, proposer: Proposer) -> None:
+        self.streams.pop(id(proposer), None)
+
+    @property
+    def active(self) -> bool:
+        """Whether any request can get drafts (else the engine skips proposing)."""
+        return self.local is not None or bool(self.bound)
 
     def bind(self, request_id: str, proposer: Proposer) -> None:
         self.bound[request_id] = proposer
@@ -26,10 +39,11 @@ class ProposerMux:
 
     @property
     def wants_hidden(self) -> bool:
-        return any(getattr(p, "wants_hidden", False) for p in {id(p): p for p in self._all()}.values())
+        local = [self.local] if self.local is not None else []
+        return any(getattr(p, "wants_hidden", False) for p in local + list(self.bound.values()))
 
     def _all(self) -> list[Proposer]:
-        return ([self.local] if self.local is not None else []) + list(self.bound.values())
+        return ([self.local] if self.local is not None else []) + list(self.streams.values())
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         out: list[Proposal] = [([], None)] * len(seqs)
@@ -49,6 +63,7 @@ class ProposerMux:
             p.accept_hidden(seq, start, hidden)
 
     def release(self, seq_id: int) -> None:
-        """Every proposer may hold state for the sequence (a request can move from a stream to local)."""
-        for p in {id(p): p for p in self._all()}.values():
+        """Every proposer may hold state for the sequence: the request may have been unbound already (it ended on
+        the caller's side first, or moved from a stream to local)."""
+        for p in self._all():
             p.release(seq_id)

@@ -25,6 +25,14 @@ def message_options() -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
+def keepalive_options() -> list[tuple[str, int]]:
+    """For channels that carry long-lived streams (draft -> target Verify, router -> draft): a peer that vanishes
+    without closing its connection is noticed within ~30 s instead of never. Servers permit these pings
+    (server_options)."""
+    return [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
 def _read(path: str | None, what: str) -> bytes | None:
     if not path:
         return None

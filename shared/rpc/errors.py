@@ -36,6 +36,10 @@ class Draining(RuntimeError):
     (HTTP 503), which clients retry elsewhere."""
 
 
+class NotRunning(LookupError):
+    """A request id this service does not run (an attach to a request that ended or never began); NOT_FOUND."""
+
+
 class Relayed(RuntimeError):
     """A peer's error passed on as it was (a draft relaying its target's answer); keeps the peer's status code."""
 
@@ -49,6 +53,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (NotRunning, grpc.StatusCode.NOT_FOUND),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (EngineDead, grpc.StatusCode.UNAVAILABLE),
 ]

@@ -27,7 +27,9 @@ class Service:
 
 
 def server_options() -> list[tuple[str, int]]:
-    return message_options()
+    """Message sizes, and clients' keepalive pings every 10 s or more are welcome (channel.keepalive_options)."""
+    return message_options() + [("grpc.keepalive_permit_without_calls", 1),
+                                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
 
 
 async def run_server(address: str, services: list[Service], *, grace_s: float = 30.0,

@@ -96,3 +96,17 @@ def test_an_answer_for_another_step_is_ignored():
         _, out = await _exchange(p, outbox, [seq], [1], stale)
         assert out == [([], None)]
     asyncio.run(main())
+
+
+def test_malformed_proposals_are_dropped_not_allowed_to_fail_the_step():
+    async def main():
+        outbox: asyncio.Queue = asyncio.Queue()
+        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=5, vocab_size=50)
+        a, b, c, d = _seq([1, 2]), _seq([3, 4]), _seq([5, 6]), _seq([7, 8])
+        bad_q = target_pb2.DraftProposal(tokens=[1], probs=b"\0" * 10, vocab=50)        # 10 bytes, not 4 * 1 * 50
+        wrong_v = target_pb2.DraftProposal(tokens=[1], probs=b"\0" * 4 * 7, vocab=7)     # q over 7 tokens, not 50
+        reply = target_pb2.ProposeResponse(proposals=[target_pb2.DraftProposal(tokens=[9, 10, 11, 12]),
+                                                      target_pb2.DraftProposal(tokens=[60]), bad_q, wrong_v])
+        _, out = await _exchange(p, outbox, [a, b, c, d], [2, 2, 2, 2], lambda m: reply)
+        assert out == [([9, 10], None), ([], None), ([], None), ([], None)]           # trimmed to k; the rest dropped
+    asyncio.run(main())
