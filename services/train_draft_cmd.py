@@ -46,6 +46,9 @@ class TrainDraftConfig:
     answers_cache: str | None = option(None, "JSON-lines file of the target's answers: read what is there, append "
                                              "what is generated (an interrupted run resumes; a retrain skips step 1)")
     gen_batch: int = option(128, "prompts the target answers at once")
+    features_cache: str | None = option(None, "file of the target's hidden states for these sequences (torch.save): "
+                                              "read when it matches, else computed and written (a retrain skips "
+                                              "step 2)")
 
     def __post_init__(self) -> None:
         if min(self.epochs, self.batch_size, self.draft_vocab, self.held_out, self.unroll) < 1:
@@ -117,6 +120,21 @@ def teacher_features(engine, seqs: list[list[int]], tokens_per_pass: int = 2048)
             feats += engine.hidden_states(seqs[i:j])
             bar.update(n)
             i = j
+    return feats
+
+
+def cached_features(engine, seqs: list[list[int]], path: str | None):
+    """teacher_features, kept in `path` between runs (keyed by the sequences themselves)."""
+    import torch
+
+    if path and os.path.exists(path):
+        saved = torch.load(path, weights_only=True)
+        if saved["seqs"] == seqs:
+            return list(saved["feats"])
+        print(f"{path} holds features of other sequences; computing them again", flush=True)
+    feats = teacher_features(engine, seqs)
+    if path:
+        torch.save({"seqs": seqs, "feats": feats}, path)
     return feats
 
 
@@ -236,7 +254,7 @@ def main(args: argparse.Namespace) -> None:
     test_prompts, train_prompts = prompts[:cfg.held_out], prompts[cfg.held_out:]
     answers = generate_answers(engine, train_prompts, cfg.max_tokens, cfg.gen_batch, cfg.answers_cache)
     seqs = [p + a for p, a in zip(train_prompts, answers)]
-    feats = teacher_features(engine, seqs)
+    feats = cached_features(engine, seqs, cfg.features_cache)
     mcfg = engine.model_cfg
     if cfg.init:
         head = EagleHead.load(cfg.init, torch.float32, torch.device("cpu"))
