@@ -2,7 +2,9 @@
 """Speculative decoding through the running stack: tokens/s with and without speculation, mean accepted length,
 and the measured speedup beside the bound (1 - a^(K+1)) / ((1 - a)(K c + 1)).
 
-Each configuration is one `upesi serve` (router -> target [-> draft service]) on the default model; requests are
+Each configuration is one `upesi serve` on the default model: router -> target (plain, and eagle-inproc / ngram
+with the proposer inside the target), or router -> draft service -> Verify stream -> target (eagle-draft,
+ngram-draft); requests are
 greedy chat prompts with 128 new tokens (EOS ignored), sent one at a time (batch 1) and 8 at once (batch 8), after a
 warm-up request. Per configuration:
   tok/s                 completion tokens / wall time of the batch
@@ -50,7 +52,8 @@ PROMPTS = [
 def serve_args(name: str, head: str, k: int, threads: int) -> list[str]:
     base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k)]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
-    return base + {"plain": [], "eagle-draft": draft,
+    ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
+    return base + {"plain": [], "eagle-draft": draft, "ngram-draft": ngram_draft,
                    "eagle-inproc": ["--speculative", f"eagle:{head}"], "ngram": ["--speculative", "ngram"]}[name]
 
 
