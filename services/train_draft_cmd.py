@@ -2,7 +2,7 @@
 
 1. The target answers a prompt set (chat template, in-process engine, batched).
 2. Teacher forcing over prompt + answer gives the target's last hidden states at every position; the head's features
-   are those before the final norm, or after it (what the LM head reads, as in EAGLE-1) with --post-norm.
+   are those after the final norm (what the LM head reads, as in EAGLE-1; the default) or before it.
 3. The reduced draft vocab is the N most frequent tokens of that text; the head learns to predict the next feature
    (smooth L1) and the target's next-token distribution over the reduced vocab (cross-entropy on soft targets), over
    --unroll passes: pass j reads the features pass j - 1 predicted, as draft step j does (its own predictions).
@@ -30,9 +30,9 @@ class TrainDraftConfig:
     out: str = option("models/eagle-head", "output folder: head.safetensors + eagle.json")
     held_out: int = option(24, "prompts kept for the acceptance figure")
     limit: int | None = option(None, "use only this many prompts of the set (after a seeded shuffle)")
-    max_tokens: int = option(128, "answer length the target generates per prompt")
+    max_tokens: int = option(160, "answer length the target generates per prompt")
     draft_vocab: int = option(8192, "reduced draft vocab: the target's N most frequent tokens")
-    epochs: int = option(8, "passes over the training sequences")
+    epochs: int = option(3, "passes over the training sequences")
     batch_size: int = option(8, "sequences per optimiser step")
     lr: float = option(1e-3, "peak learning rate (AdamW, cosine decay)")
     cls_weight: float = option(1.0, "weight of the token cross-entropy beside the feature regression")
@@ -40,9 +40,10 @@ class TrainDraftConfig:
     seed: int = option(0, "shuffling and initialisation seed")
     dtype: str = option("float16", "dtype of the saved head (float16 or bfloat16)")
     init: str | None = option(None, "start from this trained head (same target; its id map and feature kind are kept)")
-    post_norm: bool = option(False, "a new head reads features after the target's final norm (EAGLE-1's choice; "
-                                    "not better here at 200 prompts) instead of before it")
-    unroll: int = option(4, "training passes per batch: pass j feeds the features pass j - 1 predicted (draft depth j)")
+    post_norm: bool = option(True, "a new head reads features after the target's final norm (EAGLE-1's choice); "
+                                   "false: before it, where a few huge dimensions make the regression much harder "
+                                   "(held-out mean accepted length 1.45 against 1.68 on SmolLM2-135M)")
+    unroll: int = option(2, "training passes per batch: pass j feeds the features pass j - 1 predicted (draft depth j)")
     answers_cache: str | None = option(None, "JSON-lines file of the target's answers: read what is there, append "
                                              "what is generated (an interrupted run resumes; a retrain skips step 1)")
     gen_batch: int = option(128, "prompts the target answers at once")
