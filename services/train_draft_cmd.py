@@ -47,9 +47,12 @@ class TrainDraftConfig:
     answers_cache: str | None = option(None, "JSON-lines file of the target's answers: read what is there, append "
                                              "what is generated (an interrupted run resumes; a retrain skips step 1)")
     gen_batch: int = option(128, "prompts the target answers at once")
-    features_cache: str | None = option(None, "file of the target's hidden states for these sequences (torch.save): "
-                                              "read when it matches, else computed and written (a retrain skips "
-                                              "step 2)")
+    features_cache: str | None = option(None, "file of the target's hidden states of the training sequences "
+                                              "(torch.save): those of sequences already there are reused, the "
+                                              "rest computed and added (a retrain skips step 2)")
+    answer_loss_only: bool = option(True, "count the loss only where the head drafts in serving: positions of the "
+                                          "target's answer (the prompt stays in the attention context); false: "
+                                          "every position, user text included")
 
     def __post_init__(self) -> None:
         if min(self.epochs, self.batch_size, self.draft_vocab, self.held_out, self.unroll) < 1:
@@ -125,18 +128,22 @@ def teacher_features(engine, seqs: list[list[int]], tokens_per_pass: int = 2048)
 
 
 def cached_features(engine, seqs: list[list[int]], path: str | None):
-    """teacher_features, kept in `path` between runs (keyed by the sequences themselves)."""
+    """teacher_features, kept in `path` between runs (keyed by the sequences themselves): only sequences not there
+    yet are computed, and the file is rewritten with every sequence of this run."""
     import torch
 
+    known: dict[tuple[int, ...], object] = {}
     if path and os.path.exists(path):
         saved = torch.load(path, weights_only=True)
-        if saved["seqs"] == seqs:
-            return list(saved["feats"])
-        print(f"{path} holds features of other sequences; computing them again", flush=True)
-    feats = teacher_features(engine, seqs)
-    if path:
-        torch.save({"seqs": seqs, "feats": feats}, path)
-    return feats
+        known = {tuple(s): f for s, f in zip(saved["seqs"], saved["feats"])}
+    todo = [s for s in seqs if tuple(s) not in known]
+    if todo:
+        print(f"target features of {len(todo)} of {len(seqs)} sequences to compute", flush=True)
+        for s, f in zip(todo, teacher_features(engine, todo)):
+            known[tuple(s)] = f
+        if path:
+            torch.save({"seqs": seqs, "feats": [known[tuple(s)] for s in seqs]}, path)
+    return [known[tuple(s)] for s in seqs]
 
 
 def reduced_vocab(seqs: list[list[int]], n: int, vocab: int, always: list[int]):
@@ -149,7 +156,9 @@ def reduced_vocab(seqs: list[list[int]], n: int, vocab: int, always: list[int]):
     return counts.topk(min(n, vocab)).indices.sort().values                      # [N]
 
 
-def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig) -> None:
+def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig, starts: list[int] | None = None) -> None:
+    """`starts[i]`: the first pair of sequence i that counts in the loss (pair p reads f_p, x_{p+1} and predicts
+    f_{p+1}, x_{p+2}); None counts every pair."""
     import torch
     import torch.nn.functional as F
     from torch.nn.utils.rnn import pad_sequence
@@ -180,9 +189,13 @@ def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig) -> None:
                 toks = pad_sequence([torch.tensor(seqs[i][1:]) for i in idx], batch_first=True)   # [B, T]
                 pos = torch.arange(f_in.shape[1]).expand(len(idx), -1)
                 valid = torch.arange(f_in.shape[1])[None, :] < torch.tensor(lens)[:, None]       # [B, T]
+                if starts is not None:
+                    valid &= torch.arange(f_in.shape[1])[None, :] >= torch.tensor([starts[i] for i in idx])[:, None]
                 mask = causal_mask([0] * len(idx), lens, f_in.device)
+                if starts is not None:
+                    prompt = torch.arange(f_in.shape[1])[None, :] <= torch.tensor([starts[i] for i in idx])[:, None]
                 with torch.no_grad():
-                    teacher = head.logits(f_out).softmax(-1)                     # [B, T, N]
+                    teacher = head.logits(f_out[valid]).softmax(-1)              # [valid, N]
                 # Pass j as draft step j sees it: from position j - 1 on, the feature is the head's own prediction
                 # of pass j - 1 (depth j - 1), paired with the real next token as when the drafts so far were right.
                 reg = cls = 0.0
@@ -190,8 +203,10 @@ def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig) -> None:
                 for j in range(cfg.unroll):
                     out, _, _ = head(inp, toks, pos, None, mask)                 # [B, T, D]
                     reg = reg + F.smooth_l1_loss(out[valid] / scale, f_out[valid] / scale)
-                    cls = cls + -(teacher[valid] * head.logits(out[valid]).log_softmax(-1)).sum(-1).mean()
+                    cls = cls + -(teacher * head.logits(out[valid]).log_softmax(-1)).sum(-1).mean()
                     inp = torch.cat([f_in[:, :1], out[:, :-1].detach()], dim=1)  # [B, T, D]
+                    if starts is not None:                      # the prompt's own features stay real (untrained there)
+                        inp = torch.where(prompt[..., None], f_in, inp)
                 loss = reg + cfg.cls_weight * cls
                 opt.zero_grad()
                 loss.backward()
@@ -269,7 +284,9 @@ def main(args: argparse.Namespace) -> None:
     del engine
     print(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens; reduced vocab covers "
           f"{_coverage(answers, head.id_map):.1%} of answer tokens", flush=True)
-    train(head, seqs, feats, cfg)
+    # In serving the first draft reads the pair (last prompt feature, first answer token): pair len(prompt) - 1.
+    starts = [len(p) - 1 for p in train_prompts] if cfg.answer_loss_only else None
+    train(head, seqs, feats, cfg, starts)
     head.save(cfg.out, getattr(torch, cfg.dtype))
     size = os.path.getsize(os.path.join(cfg.out, "head.safetensors")) / 2**20
     print(f"saved {cfg.out} ({size:.1f} MiB) after {time.perf_counter() - t0:.0f} s", flush=True)

@@ -13,6 +13,9 @@ class DraftConfig:
                                     "or eagle:PATH (an EAGLE-style head trained for the target by train-draft)")
     model: str | None = option(None, "the target's checkpoint, whose embedding, final norm and LM head an eagle "
                                      "head reuses (default: SmolLM2-135M-Instruct)")
+    targets: str | None = option(None, "comma-separated host:port of the targets this draft may open Verify streams "
+                                       "to (a request naming another is refused with PERMISSION_DENIED); unset = "
+                                       "any target the router names")
     block_size: int = option(16, "tokens per KV block of the draft model")
     kv_blocks: int = option(2048, "KV blocks of the draft model")
     max_model_len: int = option(8192, "longest sequence the draft model handles")
@@ -29,7 +32,15 @@ class DraftConfig:
     tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
 
     def __post_init__(self) -> None:
+        if self.targets is not None and not self.allowed_targets():
+            raise ValueError("targets: give at least one host:port (or leave it unset)")
         if self.kv_blocks < 1 or self.block_size < 1:
             raise ValueError("kv_blocks and block_size must be positive")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+
+    def allowed_targets(self) -> frozenset[str] | None:
+        """The allow-list of target addresses, or None for any."""
+        if self.targets is None:
+            return None
+        return frozenset(t.strip() for t in self.targets.split(",") if t.strip())

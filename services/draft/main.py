@@ -37,7 +37,7 @@ async def serve(cfg: DraftConfig) -> None:
     proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, resolve_dtype("auto", device), device,
                              cfg.max_model_len, target_path=cfg.model)
     links = TargetLinks(DraftState(proposer))
-    service = Service("upesi.v1.Draft", DraftServicer(links), draft_pb2_grpc.add_DraftServicer_to_server)
+    service = Service("upesi.v1.Draft", DraftServicer(links, cfg.allowed_targets()), draft_pb2_grpc.add_DraftServicer_to_server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.address)
     log.info("draft proposer %s", cfg.proposer)

@@ -1,10 +1,10 @@
 """The router's view of a draft replica: speculative requests go through it, and survive it.
 
 `generate` asks the draft to run the request with a named target (the draft drives the Verify stream, see
-protos/upesi/v1/draft.proto). If the draft fails (UNAVAILABLE: it died, or cannot reach the target), the router
-attaches to the request on the target itself, which has been going on without speculation; the target replays the
-request's output from its first token, and the tokens the client already has are skipped. The client sees one
-uninterrupted stream. If the target does not run the request (the draft never opened it), it starts there afresh
+protos/upesi/v1/draft.proto). If the draft fails (UNAVAILABLE: it died, or cannot reach the target; or
+PERMISSION_DENIED: the target is not on its --targets), the router attaches to the request on the target itself,
+which has been going on without speculation; the target replays the request's output from its first token, and the
+tokens the client already has are skipped. The client sees one uninterrupted stream. If the target does not run the request (the draft never opened it), it starts there afresh
 when the client has nothing yet, and fails with UNAVAILABLE otherwise (two runs are never spliced). If the target is
 gone too, the client gets UNAVAILABLE.
 """
@@ -51,11 +51,15 @@ class DraftClient:
                 yield out
             return
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
+            if e.code() == grpc.StatusCode.PERMISSION_DENIED:       # not one of the draft's --targets
+                log.warning("draft %s refuses target %s (%s); %s runs there without speculation", self.address,
+                            target.address, e.details(), request_id)
+            elif e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.down_until = time.monotonic() + self.retry_after_s
+                log.warning("draft %s failed mid-request (%s); %s goes on with target %s alone", self.address,
+                            e.details() or e.code().name, request_id, target.address)
+            else:
                 raise
-            self.down_until = time.monotonic() + self.retry_after_s
-            log.warning("draft %s failed mid-request (%s); %s goes on with target %s alone", self.address,
-                        e.details() or e.code().name, request_id, target.address)
         finally:
             self.in_flight -= 1
         left = None if deadline is None else max(0.0, deadline - time.monotonic())

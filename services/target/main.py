@@ -114,7 +114,8 @@ async def serve(cfg: TargetConfig) -> None:
     async_engine = engine_cls(engine, on_step=StepObserver(publisher))
     if cfg.metrics_port:
         metrics.serve_metrics(cfg.metrics_port, cfg.address)
-    service = Service("upesi.v1.Target", TargetServicer(async_engine, cfg.draft_timeout_s), target_pb2_grpc.add_TargetServicer_to_server)
+    service = Service("upesi.v1.Target", TargetServicer(async_engine, cfg.draft_timeout_s),
+                      target_pb2_grpc.add_TargetServicer_to_server)
 
     async def stop() -> None:
         async_engine.stop()

@@ -40,6 +40,11 @@ class NotRunning(LookupError):
     """A request id this service does not run (an attach to a request that ended or never began); NOT_FOUND."""
 
 
+class Forbidden(PermissionError):
+    """A request this service may not carry out for the caller (a target outside the draft's allow-list);
+    PERMISSION_DENIED."""
+
+
 class Relayed(RuntimeError):
     """A peer's error passed on as it was (a draft relaying its target's answer); keeps the peer's status code."""
 
@@ -54,6 +59,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (NotRunning, grpc.StatusCode.NOT_FOUND),
+    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (EngineDead, grpc.StatusCode.UNAVAILABLE),
 ]

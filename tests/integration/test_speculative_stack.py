@@ -82,6 +82,39 @@ def test_greedy_speculative_equals_transformers(spec_stack, hf_greedy):
     assert "upesi_spec_draft_tokens_total" in text and "upesi_spec_accepted_tokens_total" in text
 
 
+def test_draft_refuses_targets_outside_its_allow_list(spec_stack, hf_greedy, tmp_path):
+    """A draft started with --targets serves only those: asked for another target it answers PERMISSION_DENIED,
+    and a router sending it requests for that target still serves them, without speculation."""
+    from upesi.v1 import draft_pb2, draft_pb2_grpc
+
+    log = open(tmp_path / "allow.log", "w")
+    draft, router = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [spawn(["draft", "--address", draft, "--proposer", "ngram", "--targets", "127.0.0.1:1"], log)]
+    procs.append(spawn(["router", "--address", router, "--target", spec_stack["target"], "--draft", draft,
+                        "--http-port", "0"], log))
+    try:
+        wait_healthy(draft)
+        wait_healthy(router)
+        with grpc.insecure_channel(draft) as ch:
+            req = target_pb2.TargetGenerateRequest(request_id="allow-1", prompt_token_ids=[1, 2, 3],
+                                                  sampling=target_pb2.SamplingParams(max_tokens=4))
+            with pytest.raises(grpc.RpcError) as e:
+                list(draft_pb2_grpc.DraftStub(ch).Generate(
+                    draft_pb2.DraftGenerateRequest(target=spec_stack["target"], request=req), timeout=30))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+            assert "--targets" in e.value.details()
+        with grpc.insecure_channel(router) as ch:
+            r = generation_pb2_grpc.GenerationStub(ch).Generate(
+                chat(CHAT_PROMPTS[0], max_tokens=GREEDY_TOKENS, temperature=0), timeout=120)
+            assert list(r.choices[0].token_ids) == hf_greedy[0]
+            assert r.spec.draft_tokens == 0
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(30)
+
+
 def test_draft_dying_mid_request_is_invisible_to_the_client(spec_stack, hf_greedy):
     with grpc.insecure_channel(spec_stack["router"]) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)

@@ -155,3 +155,29 @@ def test_batched_teacher_features_equal_one_sequence_at_a_time(tmp_path):
         assert f.shape == (len(ids), eng.model_cfg.hidden_size)
         torch.testing.assert_close(f, eng.runner.last_hidden.float(), rtol=1e-5, atol=1e-5)
     assert eng.block_manager.num_used_blocks == 0
+
+
+def test_features_cache_computes_only_new_sequences(tmp_path):
+    """train-draft --features-cache: a rerun with more sequences reuses the stored hidden states of the old ones
+    (the file is not read as a whole-or-nothing match) and computes the new ones, equal to a fresh computation."""
+    from services.train_draft_cmd import cached_features, teacher_features
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from tests.parity.test_tiny_llama import save_tiny
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4))
+    path = str(tmp_path / "feats.pt")
+    old, new = [[3, 5, 7, 9, 11], [2, 4]], [[8, 1, 6, 6, 6]]
+    first = cached_features(eng, old, path)
+    marked = [f + 1000.0 for f in first]                  # stored values tell reuse apart from recomputation
+    torch.save({"seqs": old, "feats": marked}, path)
+    calls = []
+    hidden_states = eng.hidden_states
+    eng.hidden_states = lambda seqs: calls.append(seqs) or hidden_states(seqs)
+    both = cached_features(eng, old + new, path)
+    assert calls == [new]
+    for f, m in zip(both[:2], marked):
+        torch.testing.assert_close(f, m)
+    torch.testing.assert_close(both[2], teacher_features(eng, new)[0])
+    saved = torch.load(path, weights_only=True)
+    assert saved["seqs"] == old + new and len(saved["feats"]) == 3
