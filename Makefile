@@ -29,9 +29,10 @@ stubs: $(STUBS)
 $(STUBS) &: $(PROTOS) | $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
-# The default deployment: the target's FFNs on 2 expert shards (attention-FFN disaggregation, DESIGN.md section 5).
-# Override with e.g. `make run SERVE_ARGS=` (everything in one target process) or add `--draft ngram`.
-SERVE_ARGS ?= --expert-shards 2
+# The default deployment: the target's FFNs on 2 expert shards (attention-FFN disaggregation, DESIGN.md section 5),
+# and speculative decoding from a draft service running the EAGLE head trained for the default model (K = 4).
+# Override with e.g. `make run SERVE_ARGS=` (everything in one target process, no speculation).
+SERVE_ARGS ?= --expert-shards 2 --draft eagle:models/eagle-smollm2-135m --num-speculative-tokens 4
 
 run: install
 	$(VENV)/bin/upesi serve $(SERVE_ARGS)

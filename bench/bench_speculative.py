@@ -6,7 +6,8 @@ Each configuration is one `upesi serve` on the default model: router -> target (
 with the proposer inside the target), or router -> draft service -> Verify stream -> target (eagle-draft,
 ngram-draft); requests are
 greedy chat prompts with 128 new tokens (EOS ignored), sent one at a time (batch 1) and 8 at once (batch 8), after a
-warm-up request. Per configuration:
+warm-up request. All the stacks run at once and are measured interleaved (the order rotates every round), so a
+machine that slows down or speeds up shifts every configuration alike. Per configuration:
   tok/s                 completion tokens / wall time of the batch
   tau (mean accepted)   tokens emitted per target step = completion / (completion - accepted drafts)
   a                     per-token acceptance that gives tau at fixed K: (1 - a^(K+1)) / (1 - a) = tau
@@ -15,7 +16,7 @@ warm-up request. Per configuration:
   bound                 (1 - a^(K+1)) / ((1 - a)(K c + 1)), beside the measured speedup over `plain`
 
     .venv/bin/python bench/bench_speculative.py [--head models/eagle-smollm2-135m] [--k 4] [--tokens 128]
-        [--configs plain eagle-draft eagle-inproc] [--threads 1]
+        [--configs plain eagle-draft eagle-inproc] [--threads 1] [--dtype auto] [--rounds 2]
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -49,8 +50,8 @@ PROMPTS = [
 ]
 
 
-def serve_args(name: str, head: str, k: int, threads: int) -> list[str]:
-    base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k)]
+def serve_args(name: str, head: str, k: int, threads: int, dtype: str) -> list[str]:
+    base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k), "--dtype", dtype]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     return base + {"plain": [], "eagle-draft": draft, "ngram-draft": ngram_draft,
@@ -75,42 +76,54 @@ def run_batch(stub, prompts: list[str], tokens: int, k: int | None) -> tuple[flo
     return wall, sum(r.usage.completion_tokens for r in out), sum(r.spec.accepted_tokens for r in out)
 
 
-def measure_stack(name: str, args) -> dict[str, dict[str, float]]:
+def measure_stacks(args) -> dict[str, dict[str, dict[str, float]]]:
+    """Starts one stack per configuration (all at once: idle ones cost no CPU), then measures them interleaved,
+    rotating the order every round, so that a machine getting slower or faster shifts every configuration alike."""
     import grpc
 
     from upesi.v1 import generation_pb2_grpc
 
-    tmp = Path(tempfile.mkdtemp(prefix=f"bench-spec-{name}-"))
-    stack = Stack(tmp, serve_args(name, args.head, args.k, args.threads))
+    stacks, channels, stubs = {}, [], {}
     try:
-        stack.wait_ready(600)
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            run_batch(stub, PROMPTS[:1], args.tokens, None)                          # warm-up
-            res = {}
+        for name in args.configs:
+            tmp = Path(tempfile.mkdtemp(prefix=f"bench-spec-{name}-"))
+            stacks[name] = Stack(tmp, serve_args(name, args.head, args.k, args.threads, args.dtype))
+        for name, stack in stacks.items():
+            stack.wait_ready(600)
+            channels.append(grpc.insecure_channel(stack.address))
+            stubs[name] = generation_pb2_grpc.GenerationStub(channels[-1])
+            run_batch(stubs[name], PROMPTS[:1], args.tokens, None)                    # warm-up
+        sums = {name: {b: [0.0, 0, 0] for b in args.batches} for name in args.configs}
+        for rnd in range(args.rounds):
+            order = args.configs[rnd % len(args.configs):] + args.configs[:rnd % len(args.configs)]
             for batch in args.batches:
-                walls, toks, acc = 0.0, 0, 0
-                for i in range(0, len(PROMPTS) if batch == 1 else batch, batch):
-                    if batch == 1 and i >= args.batch1_requests:
-                        break
-                    w, t, a = run_batch(stub, (PROMPTS * 2)[i:i + batch], args.tokens, None)
-                    walls, toks, acc = walls + w, toks + t, acc + a
-                res[f"b{batch}"] = {"tok_s": toks / walls, "tau": toks / max(1, toks - acc)}
-            return res
+                n = 1 if batch > 1 else args.batch1_requests
+                for j in range(n):
+                    i = ((rnd * n + j) * batch) % len(PROMPTS)
+                    for name in order:
+                        w, t, a = run_batch(stubs[name], (PROMPTS * 2)[i:i + batch], args.tokens, None)
+                        acc = sums[name][batch]
+                        acc[0], acc[1], acc[2] = acc[0] + w, acc[1] + t, acc[2] + a
+        return {name: {f"b{b}": {"tok_s": t / w, "tau": t / max(1, t - a)} for b, (w, t, a) in per.items()}
+                for name, per in sums.items()}
     finally:
-        stack.stop()
+        for ch in channels:
+            ch.close()
+        for stack in stacks.values():
+            stack.stop()
 
 
-def measure_cost_ratio(head: str, k: int, threads: int, reps: int = 20) -> float:
+def measure_cost_ratio(head: str, k: int, threads: int, dtype: str, reps: int = 20) -> float:
     """c = (one eagle head step) / (one target decode step), batch 1, in this process, same weights."""
     import torch
 
-    from shared.engine.config import EngineConfig
+    from shared.engine.config import EngineConfig, serving_dtype
     from shared.engine.engine import LLMEngine
     from shared.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     eng = LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.25, speculative=f"eagle:{head}",
+                                 dtype=serving_dtype(dtype, torch.device("cpu")),
                                  num_speculative_tokens=k))
     prompt = list(range(100, 160))
     eng.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True,
@@ -155,11 +168,14 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--batch1-requests", type=int, default=4, help="sequential requests measured at batch 1")
     p.add_argument("--configs", nargs="+", default=["plain", "eagle-draft", "eagle-inproc"])
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the configurations")
+    p.add_argument("--dtype", default="auto", help="the stacks' --dtype (auto: bf16 on CPUs with native bf16)")
     args = p.parse_args()
 
-    results = {name: measure_stack(name, args) for name in args.configs}
-    c = measure_cost_ratio(args.head, args.k, args.threads)
-    print(f"\ndefault model, greedy, {args.tokens} tokens, K = {args.k}, c = {c:.3f} (head step / target step)")
+    results = measure_stacks(args)
+    c = measure_cost_ratio(args.head, args.k, args.threads, args.dtype)
+    print(f"\ndefault model, greedy, {args.tokens} tokens, K = {args.k}, dtype {args.dtype}, c = {c:.3f} "
+          "(head step / target step)")
     print(f"{'config':14} {'batch':>5} {'tok/s':>8} {'tau':>6} {'a':>6} {'speedup':>8} {'bound':>6}")
     rows = []
     for name, res in results.items():
@@ -170,7 +186,7 @@ def main() -> None:
             speedup = r["tok_s"] / base["tok_s"] if base else float("nan")
             rows.append({"config": name, "batch": int(b[1:]), **r, "a": a, "speedup": speedup, "bound": bound})
             print(f"{name:14} {b[1:]:>5} {r['tok_s']:8.1f} {r['tau']:6.2f} {a:6.3f} {speedup:8.2f} {bound:6.2f}")
-    print(json.dumps({"k": args.k, "tokens": args.tokens, "c": c, "rows": rows}))
+    print(json.dumps({"k": args.k, "tokens": args.tokens, "dtype": args.dtype, "c": c, "rows": rows}))
 
 
 if __name__ == "__main__":

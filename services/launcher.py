@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
+from shared.engine.config import DTYPES
 
 
 @dataclass(slots=True)
@@ -26,6 +27,9 @@ class ServeConfig:
     max_num_seqs: int = option(64, "target: most sequences in the running batch")
     num_threads: int | None = option(None, "target: torch CPU threads")
     device: str = option("auto", "target device: cpu, cuda or auto")
+    dtype: str = option("auto", "weights and activations of the targets, draft and expert shards: float32, "
+                                "bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 matmuls, "
+                                "AVX512-BF16 or AMX; else float32)")
     expert_shards: int = option(0, "expert shard processes (0 = FFNs run in the target); they listen on the ports "
                                    "after the targets'")
     expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards "
@@ -53,6 +57,8 @@ class ServeConfig:
                                          "certificate signed by the CA (the public gRPC port too)")
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
         if self.expert_shards < 0:
@@ -171,6 +177,7 @@ def main(args: argparse.Namespace) -> None:
         for i, address in enumerate(cfg.expert_addresses()):
             shards[len(procs)] = (f"expert shard {i}", address, ["experts", "--address", address, "--shard-index", str(i),
                                                "--num-shards", str(cfg.expert_shards), "--device", cfg.device,
+                                               "--dtype", cfg.dtype,
                                                "--num-threads", shard_threads, *model, *placement, *quant,
                                                *_tls_args(cfg, client=False), "--metrics-port",
                                                str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)])
@@ -185,6 +192,7 @@ def main(args: argparse.Namespace) -> None:
         if cfg.draft:
             shards[len(procs)] = ("draft service", cfg.draft_address, [
                 "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
+                "--dtype", cfg.dtype,
                 "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model, *threads])
             procs.append(_child(shards[len(procs)][2], env))
         for i, address in enumerate(cfg.target_addresses()):
@@ -192,6 +200,7 @@ def main(args: argparse.Namespace) -> None:
             procs.append(_child(["target", "--address", address, "--replica-id", address,
                                  "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                                  "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
+                                 "--dtype", cfg.dtype,
                                  *model, *threads, *registry, *experts, *spec, *quant, *_tls_args(cfg, client=True)],
                                 env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,

@@ -50,6 +50,14 @@ class TrainDraftConfig:
     features_cache: str | None = option(None, "file of the target's hidden states of the training sequences "
                                               "(torch.save): those of sequences already there are reused, the "
                                               "rest computed and added (a retrain skips step 2)")
+    target_dtype: str = option("auto", "dtype the target answers and computes features in: auto = the services' "
+                                       "default (bfloat16 on CPUs with native bf16: several times faster here, and "
+                                       "the features the head then reads in serving)")
+    train_dtype: str = option("auto", "compute dtype of the training passes (autocast; the weights and the optimiser "
+                                      "stay fp32): float32, bfloat16, or auto (bfloat16 on CPUs with native bf16)")
+    sampled_answers: int = option(0, "extra answers per training prompt, sampled at --sample-temperature (more and "
+                                     "more varied training text; the greedy answer is always there)")
+    sample_temperature: float = option(0.8, "temperature of the sampled answers")
     answer_loss_only: bool = option(True, "count the loss only where the head drafts in serving: positions of the "
                                           "target's answer (the prompt stays in the attention context); false: "
                                           "every position, user text included")
@@ -57,6 +65,8 @@ class TrainDraftConfig:
     def __post_init__(self) -> None:
         if min(self.epochs, self.batch_size, self.draft_vocab, self.held_out, self.unroll) < 1:
             raise ValueError("epochs, batch_size, draft_vocab, held_out and unroll must be positive")
+        if self.sampled_answers < 0 or self.sample_temperature <= 0:
+            raise ValueError("sampled_answers must be >= 0 and sample_temperature positive")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,9 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def generate_answers(engine, prompts: list[list[int]], max_tokens: int, batch: int = 128,
-                     cache: str | None = None) -> list[list[int]]:
-    """Greedy answers of the target, `batch` prompts in flight together (continuous batching). With `cache`, answers
-    already in that JSON-lines file (keyed by the prompt's token ids) are reused and new ones appended to it."""
+                     cache: str | None = None, temperature: float = 0.0, round_: int = 0) -> list[list[int]]:
+    """The target's answers, `batch` prompts in flight together (continuous batching): greedy, or sampled at
+    `temperature` (round r of sampling, seeded per prompt and round). With `cache`, answers already in that
+    JSON-lines file (keyed by the prompt's token ids, length, temperature and round) are reused and new ones
+    appended to it."""
     import json
 
     from tqdm import tqdm
@@ -79,10 +91,10 @@ def generate_answers(engine, prompts: list[list[int]], max_tokens: int, batch: i
             for line in f:
                 if line.strip():
                     rec = json.loads(line)
-                    if rec.get("max_tokens") == max_tokens:
+                    if (rec.get("max_tokens"), rec.get("temperature", 0.0), rec.get("round", 0)) == \
+                            (max_tokens, temperature, round_):
                         done[tuple(rec["prompt"])] = rec["answer"]
     todo = [i for i, p in enumerate(prompts) if tuple(p) not in done][::-1]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     sink = open(cache, "a") if cache else None
     out: dict[str, list[int]] = {}
     try:
@@ -90,7 +102,9 @@ def generate_answers(engine, prompts: list[list[int]], max_tokens: int, batch: i
             while todo or engine.has_unfinished():
                 while todo and len(out) < batch:             # keep `batch` answers in flight
                     i = todo.pop()
-                    engine.add_request(str(i), prompts[i], params)
+                    seed = (hash(tuple(prompts[i])) + 7919 * round_) % 2**31 if temperature else None
+                    engine.add_request(str(i), prompts[i], SamplingParams(temperature=temperature,
+                                                                          max_tokens=max_tokens, seed=seed))
                     out[str(i)] = []
                 for d in engine.step():
                     out[d.request_id].extend(d.token_ids)
@@ -100,6 +114,7 @@ def generate_answers(engine, prompts: list[list[int]], max_tokens: int, batch: i
                         done[tuple(prompts[int(d.request_id)])] = ans
                         if sink:
                             sink.write(json.dumps({"prompt": prompts[int(d.request_id)], "max_tokens": max_tokens,
+                                                   "temperature": temperature, "round": round_,
                                                    "answer": ans}) + "\n")
                             sink.flush()
     finally:
@@ -166,6 +181,9 @@ def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig, starts: lis
 
     from shared.engine.eagle import causal_mask
 
+    from shared.engine.config import serving_dtype
+
+    bf16 = serving_dtype(cfg.train_dtype, torch.device("cpu")) == "bfloat16"
     rng = random.Random(cfg.seed)
     order = list(range(len(seqs)))
     steps = cfg.epochs * ((len(order) + cfg.batch_size - 1) // cfg.batch_size)
@@ -188,12 +206,11 @@ def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig, starts: lis
                 f_out = pad_sequence([feats[i][1:] for i in idx], batch_first=True)      # [B, T, D]
                 toks = pad_sequence([torch.tensor(seqs[i][1:]) for i in idx], batch_first=True)   # [B, T]
                 pos = torch.arange(f_in.shape[1]).expand(len(idx), -1)
-                valid = torch.arange(f_in.shape[1])[None, :] < torch.tensor(lens)[:, None]       # [B, T]
-                if starts is not None:
-                    valid &= torch.arange(f_in.shape[1])[None, :] >= torch.tensor([starts[i] for i in idx])[:, None]
+                at = torch.arange(f_in.shape[1])[None, :]                                  # [1, T]
+                first = torch.tensor([0 if starts is None else starts[i] for i in idx])[:, None]  # [B, 1]
+                valid = (at < torch.tensor(lens)[:, None]) & (at >= first)                 # [B, T]
+                prompt = at <= first                 # pairs whose input feature is real in serving too
                 mask = causal_mask([0] * len(idx), lens, f_in.device)
-                if starts is not None:
-                    prompt = torch.arange(f_in.shape[1])[None, :] <= torch.tensor([starts[i] for i in idx])[:, None]
                 with torch.no_grad():
                     teacher = head.logits(f_out[valid]).softmax(-1)              # [valid, N]
                 # Pass j as draft step j sees it: from position j - 1 on, the feature is the head's own prediction
@@ -201,12 +218,14 @@ def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig, starts: lis
                 reg = cls = 0.0
                 inp = f_in
                 for j in range(cfg.unroll):
-                    out, _, _ = head(inp, toks, pos, None, mask)                 # [B, T, D]
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        out, _, _ = head(inp, toks, pos, None, mask)             # [B, T, D]
+                        logp = head.logits(out[valid]).log_softmax(-1)           # [valid, N] fp32
+                    out = out.float()
                     reg = reg + F.smooth_l1_loss(out[valid] / scale, f_out[valid] / scale)
-                    cls = cls + -(teacher * head.logits(out[valid]).log_softmax(-1)).sum(-1).mean()
-                    inp = torch.cat([f_in[:, :1], out[:, :-1].detach()], dim=1)  # [B, T, D]
-                    if starts is not None:                      # the prompt's own features stay real (untrained there)
-                        inp = torch.where(prompt[..., None], f_in, inp)
+                    cls = cls + -(teacher * logp).sum(-1).mean()
+                    inp = torch.where(prompt[..., None], f_in,                   # [B, T, D]
+                                      torch.cat([f_in[:, :1], out[:, :-1].detach()], dim=1))
                 loss = reg + cfg.cls_weight * cls
                 opt.zero_grad()
                 loss.backward()
@@ -247,7 +266,7 @@ def acceptance(model: str | None, head_dir: str, prompts: list[list[int]], max_t
 def main(args: argparse.Namespace) -> None:
     import torch
 
-    from shared.engine.config import EngineConfig
+    from shared.engine.config import EngineConfig, serving_dtype
     from shared.engine.eagle import EagleHead, head_config_for
     from shared.engine.engine import LLMEngine
     from shared.tokenizer import Tokenizer
@@ -263,13 +282,19 @@ def main(args: argparse.Namespace) -> None:
         raise ValueError(f"{cfg.prompts} has {len(texts)} prompts; need more than --held-out {cfg.held_out}")
     random.Random(cfg.seed).shuffle(texts)
     texts = texts[:cfg.limit]
+    dtype = serving_dtype(cfg.target_dtype, torch.device("cpu"))
     engine = LLMEngine(EngineConfig(model=cfg.model, progress=False, kv_cache_gb=4.0, max_num_seqs=cfg.gen_batch,
-                                    enable_prefix_caching=False))
+                                    enable_prefix_caching=False, dtype=dtype))
     tok = Tokenizer(engine.model_path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     test_prompts, train_prompts = prompts[:cfg.held_out], prompts[cfg.held_out:]
     answers = generate_answers(engine, train_prompts, cfg.max_tokens, cfg.gen_batch, cfg.answers_cache)
-    seqs = [p + a for p, a in zip(train_prompts, answers)]
+    seq_prompts = list(train_prompts)
+    for r in range(1, cfg.sampled_answers + 1):
+        answers += generate_answers(engine, train_prompts, cfg.max_tokens, cfg.gen_batch, cfg.answers_cache,
+                                    cfg.sample_temperature, r)
+        seq_prompts += train_prompts
+    seqs = [p + a for p, a in zip(seq_prompts, answers)]
     feats = cached_features(engine, seqs, cfg.features_cache)
     mcfg = engine.model_cfg
     if cfg.init:
@@ -285,7 +310,7 @@ def main(args: argparse.Namespace) -> None:
     print(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens; reduced vocab covers "
           f"{_coverage(answers, head.id_map):.1%} of answer tokens", flush=True)
     # In serving the first draft reads the pair (last prompt feature, first answer token): pair len(prompt) - 1.
-    starts = [len(p) - 1 for p in train_prompts] if cfg.answer_loss_only else None
+    starts = [len(p) - 1 for p in seq_prompts] if cfg.answer_loss_only else None
     train(head, seqs, feats, cfg, starts)
     head.save(cfg.out, getattr(torch, cfg.dtype))
     size = os.path.getsize(os.path.join(cfg.out, "head.safetensors")) / 2**20

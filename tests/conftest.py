@@ -13,6 +13,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Services started by tests compute in fp32, whose outputs are checked against fp32 references; the services'
+# own default ("auto") is bf16 on CPUs with native bf16, tested on its own in tests/integration/test_bf16_serving.py.
+os.environ.setdefault("UPESI_DTYPE", "float32")
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT_PROMPTS = [

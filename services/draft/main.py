@@ -22,7 +22,7 @@ async def serve(cfg: DraftConfig) -> None:
     from services.draft.proposer_service import DraftState
     from services.draft.servicer import DraftServicer
     from services.draft.target_link import TargetLinks
-    from shared.engine.config import resolve_device, resolve_dtype
+    from shared.engine.config import resolve_device, resolve_dtype, serving_dtype
     from shared import telemetry
     from shared.engine.proposers import make_proposer
     from shared.metrics import serve_metrics
@@ -34,10 +34,12 @@ async def serve(cfg: DraftConfig) -> None:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
-    proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, resolve_dtype("auto", device), device,
-                             cfg.max_model_len, target_path=cfg.model)
+    dtype = resolve_dtype(serving_dtype(cfg.dtype, device), device)
+    proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, dtype, device, cfg.max_model_len,
+                             target_path=cfg.model)
     links = TargetLinks(DraftState(proposer))
-    service = Service("upesi.v1.Draft", DraftServicer(links, cfg.allowed_targets()), draft_pb2_grpc.add_DraftServicer_to_server)
+    service = Service("upesi.v1.Draft", DraftServicer(links, cfg.allowed_targets()),
+                      draft_pb2_grpc.add_DraftServicer_to_server)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.address)
     log.info("draft proposer %s", cfg.proposer)

@@ -4,9 +4,9 @@
 protos/upesi/v1/draft.proto). If the draft fails (UNAVAILABLE: it died, or cannot reach the target; or
 PERMISSION_DENIED: the target is not on its --targets), the router attaches to the request on the target itself,
 which has been going on without speculation; the target replays the request's output from its first token, and the
-tokens the client already has are skipped. The client sees one uninterrupted stream. If the target does not run the request (the draft never opened it), it starts there afresh
-when the client has nothing yet, and fails with UNAVAILABLE otherwise (two runs are never spliced). If the target is
-gone too, the client gets UNAVAILABLE.
+tokens the client already has are skipped. The client sees one uninterrupted stream. If the target does not run the
+request (the draft never opened it), it starts there afresh when the client has nothing yet, and fails with
+UNAVAILABLE otherwise (two runs are never spliced). If the target is gone too, the client gets UNAVAILABLE.
 """
 from __future__ import annotations
 

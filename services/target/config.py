@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import EngineConfig
+from shared.engine.config import DTYPES, EngineConfig, resolve_device, serving_dtype
 
 
 @dataclass(slots=True)
@@ -13,7 +13,8 @@ class TargetConfig:
     metrics_port: int = option(8061, "Prometheus /metrics port (0 = off)")
     model: str | None = option(None, "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
     device: str = option("auto", "cpu, cuda, or auto")
-    dtype: str = option("auto", "float32, bfloat16, or auto (float32 on cpu, bfloat16 on cuda)")
+    dtype: str = option("auto", "float32, bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 "
+                                "matmuls, AVX512-BF16 or AMX; else float32)")
     block_size: int = option(16, "tokens per KV block")
     kv_cache_gb: float = option(1.0, "memory for the KV cache in GiB")
     num_kv_blocks: int | None = option(None, "number of KV blocks (overrides --kv-cache-gb)")
@@ -50,6 +51,8 @@ class TargetConfig:
     rebalance_extra: int = option(2, "replicas the rebalancer adds per unbalanced layer per round")
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:
@@ -65,7 +68,8 @@ class TargetConfig:
         return [a.strip() for a in (self.expert_shards or "").split(",") if a.strip()]
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
+        dtype = serving_dtype(self.dtype, resolve_device(self.device))
+        return EngineConfig(model=self.model, device=self.device, dtype=dtype, block_size=self.block_size,
                             kv_cache_gb=self.kv_cache_gb, num_kv_blocks=self.num_kv_blocks,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=self.max_model_len, num_threads=self.num_threads, progress=self.progress,

@@ -126,8 +126,9 @@ async def serve(cfg: TargetConfig) -> None:
         if experts is not None:
             experts.close()
 
-    log.info("model %s: %d KV blocks of %d tokens, context %d, registry %s", engine.model_path,
-             engine.block_manager.num_blocks, cfg.block_size, engine.max_model_len, cfg.registry or "none")
+    log.info("model %s (%s): %d KV blocks of %d tokens, context %d, registry %s", engine.model_path,
+             engine.cfg.dtype, engine.block_manager.num_blocks, cfg.block_size, engine.max_model_len,
+             cfg.registry or "none")
     await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_stop=stop)
 
 

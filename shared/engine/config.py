@@ -46,7 +46,34 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" = bfloat16 on cuda, float32 on cpu."""
+    """"auto" = bfloat16 on cuda, float32 on cpu (exact against fp32 references: the library's default)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def serving_dtype(name: str, device: torch.device) -> str:
+    """The services' "auto": bfloat16 on cuda and on CPUs with native bf16 matmuls (AVX512-BF16 or AMX), else
+    float32. Decode on CPU is memory-bound, so bf16 weights halve a step's bytes; and a bf16 matmul over K + 1 rows
+    costs about what one row does (fp32's grows with the rows), which is what makes verifying K drafts cheap."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (the avx512_bf16 or amx_bf16 flag of /proc/cpuinfo, Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False

@@ -67,7 +67,7 @@ class EagleHead(nn.Module):
     def attach_target(self, embed: torch.Tensor, norm: nn.Module, lm_head: torch.Tensor) -> None:
         self.embed = embed
         object.__setattr__(self, "final_norm", norm)          # the target's module: not a submodule, never saved
-        self.head_rows = lm_head[self.id_map].contiguous()                         # [N, D]
+        self.head_rows = lm_head[self.id_map].to(self.fc.weight.dtype).contiguous()  # [N, D], in the head's dtype
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor

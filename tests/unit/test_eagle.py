@@ -181,3 +181,27 @@ def test_features_cache_computes_only_new_sequences(tmp_path):
     torch.testing.assert_close(both[2], teacher_features(eng, new)[0])
     saved = torch.load(path, weights_only=True)
     assert saved["seqs"] == old + new and len(saved["feats"]) == 3
+
+
+def test_sampled_answers_are_seeded_cached_apart_from_greedy_and_reused(tmp_path):
+    """train-draft --sampled-answers: round r at a temperature is reproducible (seeded per prompt and round),
+    differs from the greedy answers, is cached under its own key, and a rerun reads it back without generating."""
+    from services.train_draft_cmd import generate_answers
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from tests.parity.test_tiny_llama import save_tiny
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4))
+    prompts = [[3, 5, 7], [2, 4, 6, 8], [9, 1]]
+    cache = str(tmp_path / "answers.jsonl")
+    greedy = generate_answers(eng, prompts, 12, 2, cache)
+    sampled = generate_answers(eng, prompts, 12, 2, cache, temperature=1.5, round_=1)
+    other = generate_answers(eng, prompts, 12, 2, None, temperature=1.5, round_=2)
+    assert all(len(a) == 12 for a in greedy + sampled)
+    assert sampled != greedy and sampled != other
+    assert generate_answers(eng, prompts, 12, 2, None, temperature=1.5, round_=1) == sampled    # seeded
+    step = eng.step
+    eng.step = lambda: pytest.fail("cached answers were generated again")
+    assert generate_answers(eng, prompts, 12, 2, cache) == greedy
+    assert generate_answers(eng, prompts, 12, 2, cache, temperature=1.5, round_=1) == sampled
+    eng.step = step
