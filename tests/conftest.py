@@ -27,10 +27,19 @@ CHAT_PROMPTS = [
 GREEDY_TOKENS = 48
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and never one this process gave out before: servers bind seconds later, and
+    gRPC binds with SO_REUSEPORT, so two services handed the same port would share it silently."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 @pytest.fixture(scope="session")

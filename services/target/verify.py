@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -57,9 +58,14 @@ class StreamProposer:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, msg)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return self.start_propose(seqs, ks)()
+
+    def start_propose(self, seqs: list[Sequence], ks: list[int]) -> Callable[[], list[Proposal]]:
+        """Sends this step's verdicts and returns a function that waits for the draft's proposals: the engine's
+        mux sends to every stream first and then waits, so that the drafts of several streams work at once."""
         none: list[Proposal] = [([], None)] * len(seqs)
         if not self.alive or time.monotonic() < self.down_until:
-            return none
+            return lambda: none
         req = target_pb2.ProposeRequest()
         for s, k in zip(seqs, ks):
             base = min(self.sent.get(s.seq_id, 0), len(s.token_ids))
@@ -76,8 +82,12 @@ class StreamProposer:
         self.waiting = (self.step, fut)
         if not self.alive:                        # closed meanwhile: close() may not have seen `waiting`
             self.waiting = None
-            return none
+            return lambda: none
         self._send(target_pb2.VerifyDown(propose=req, step=self.step, traceparent=telemetry.traceparent()))
+        return lambda: self._receive(seqs, ks, fut)
+
+    def _receive(self, seqs: list[Sequence], ks: list[int], fut: concurrent.futures.Future) -> list[Proposal]:
+        none: list[Proposal] = [([], None)] * len(seqs)
         try:
             resp: target_pb2.ProposeResponse | None = fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:

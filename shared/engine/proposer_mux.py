@@ -5,6 +5,8 @@ uses the engine's own (`--speculative`, or none). The engine calls the mux exact
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shared.engine.proposers import Proposal, Proposer
 from shared.engine.sequence import Sequence
 
@@ -52,8 +54,19 @@ class ProposerMux:
             p = self._of(s)
             if p is not None:
                 groups.setdefault(id(p), (p, []))[1].append(i)
-        for p, idx in groups.values():                # one batched call per proposer
-            for i, prop in zip(idx, p.propose([seqs[i] for i in idx], [ks[i] for i in idx])):
+        # One batched call per proposer. Remote ones (Verify streams) are sent their verdicts first and awaited
+        # after, so that every draft service and the local proposer compute at the same time.
+        remote: list[tuple[list[int], Callable[[], list[Proposal]]]] = []
+        local: list[tuple[list[int], Callable[[], list[Proposal]]]] = []
+        for p, idx in groups.values():
+            args = [seqs[i] for i in idx], [ks[i] for i in idx]
+            start = getattr(p, "start_propose", None)
+            if start is None:
+                local.append((idx, lambda p=p, args=args: p.propose(*args)))
+            else:
+                remote.append((idx, start(*args)))
+        for idx, wait in local + remote:
+            for i, prop in zip(idx, wait()):
                 out[i] = prop
         return out
 

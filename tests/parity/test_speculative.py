@@ -164,3 +164,27 @@ def test_distribution_matches_target_and_not_the_draft(tmp_path, one_thread):
     print("draft-alone p-values", draft_pvals)
     assert all(p < 0.001 for p in draft_pvals)
     assert spec.block_manager.num_used_blocks == 0 and spec.proposer.blocks.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_distribution_with_an_eagle_head_matches_the_target(tmp_path, one_thread):
+    """The same chi-square with the EAGLE proposer: a random head over the target's hidden states whose reduced
+    vocab (12 of 16 tokens) gives q(x) = 0 to 4 tokens the target can still produce (through the residual)."""
+    from shared.engine.eagle import EagleHead, head_config_for
+    from shared.model.loader import load_config
+    target = save_small(tmp_path / "target", 0)
+    torch.manual_seed(2)
+    head = EagleHead(head_config_for(load_config(str(tmp_path / "target")), 12))
+    head.id_map = torch.randperm(V)[:12].sort().values
+    head.save(str(tmp_path / "eagle"), torch.float32)
+    prompt = [3, 7, 1]
+    exact = marginals(target, prompt, 3)
+    spec = LLMEngine(EngineConfig(model=str(tmp_path / "target"), speculative=f"eagle:{tmp_path / 'eagle'}",
+                                  num_speculative_tokens=3, progress=False, num_kv_blocks=12000, block_size=4,
+                                  max_num_seqs=2500, max_num_batched_tokens=16384))
+    counts = empirical(spec, prompt, 20000, 3)
+    pvals = [chi2_pvalue(counts[i], exact[i]) for i in range(3)]
+    print("eagle speculative p-values", pvals)
+    assert all(p > 0.001 for p in pvals)
+    assert 0 < spec_accept_rate(spec) < 1
+    assert spec.block_manager.num_used_blocks == 0 and not spec.proposer.states

@@ -205,3 +205,12 @@ def test_sampled_answers_are_seeded_cached_apart_from_greedy_and_reused(tmp_path
     assert generate_answers(eng, prompts, 12, 2, cache) == greedy
     assert generate_answers(eng, prompts, 12, 2, cache, temperature=1.5, round_=1) == sampled
     eng.step = step
+
+
+def test_answer_only_loss_counts_answer_pairs_and_keeps_prompt_features_real():
+    """train-draft --answer-loss-only: pair p of a sequence counts from the first pair the head drafts from in
+    serving (last prompt position) up to its last pair; padding never counts; inputs up to that pair stay real."""
+    from services.train_draft_cmd import pair_masks
+    valid, real = pair_masks([5, 3], [2, 0], 6)
+    assert valid.tolist() == [[False, False, True, True, True, False], [True, True, True, False, False, False]]
+    assert real.tolist() == [[True, True, True, False, False, False], [True, False, False, False, False, False]]

@@ -110,3 +110,26 @@ def test_malformed_proposals_are_dropped_not_allowed_to_fail_the_step():
         _, out = await _exchange(p, outbox, [a, b, c, d], [2, 2, 2, 2], lambda m: reply)
         assert out == [([9, 10], None), ([], None), ([], None), ([], None)]           # trimmed to k; the rest dropped
     asyncio.run(main())
+
+
+def test_the_mux_sends_to_every_stream_before_waiting_on_any():
+    """Two draft services' streams in one engine step: both get their verdicts before the step waits, so their
+    drafts compute at the same time. Here each draft answers only once both messages are out, which a mux that
+    waited on one stream before sending to the next could never see (it would time out)."""
+    from shared.engine.proposer_mux import ProposerMux
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        boxes = [asyncio.Queue(), asyncio.Queue()]
+        streams = [StreamProposer(loop, box, timeout_s=5) for box in boxes]
+        mux = ProposerMux()
+        seqs = [Sequence(f"r{i}", 0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=64)) for i in range(2)]
+        for s, p in zip(seqs, streams):
+            mux.add(p)
+            mux.bind(s.request_id, p)
+        task = loop.run_in_executor(None, mux.propose, seqs, [2, 2])
+        msgs = [await asyncio.wait_for(box.get(), 2) for box in boxes]         # both sent before any answer
+        for p, m, toks in zip(streams, msgs, ([7, 8], [9])):
+            p.answer(m.step, _proposals(toks))
+        assert await task == [([7, 8], None), ([9], None)]
+    asyncio.run(main())
