@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
-from shared.engine.config import DTYPES
+from shared.engine.config import DTYPE_HELP, check_dtype
 
 
 @dataclass(slots=True)
@@ -27,9 +27,7 @@ class ServeConfig:
     max_num_seqs: int = option(64, "target: most sequences in the running batch")
     num_threads: int | None = option(None, "target: torch CPU threads")
     device: str = option("auto", "target device: cpu, cuda or auto")
-    dtype: str = option("auto", "weights and activations of the targets, draft and expert shards: float32, "
-                                "bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 matmuls, "
-                                "AVX512-BF16 or AMX; else float32)")
+    dtype: str = option("auto", "weights and activations of the targets, draft and expert shards: " + DTYPE_HELP)
     expert_shards: int = option(0, "expert shard processes (0 = FFNs run in the target); they listen on the ports "
                                    "after the targets'")
     expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards "
@@ -57,8 +55,7 @@ class ServeConfig:
                                          "certificate signed by the CA (the public gRPC port too)")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
         if self.expert_shards < 0:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
+from shared.engine.config import check_dtype
 
 DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                                "draft_prompts_large.txt")
@@ -65,6 +66,8 @@ class TrainDraftConfig:
     def __post_init__(self) -> None:
         if min(self.epochs, self.batch_size, self.draft_vocab, self.held_out, self.unroll) < 1:
             raise ValueError("epochs, batch_size, draft_vocab, held_out and unroll must be positive")
+        check_dtype(self.target_dtype, what="target_dtype")
+        check_dtype(self.train_dtype, ("auto", "float32", "bfloat16"), "train_dtype")   # autocast: bf16 or none
         if self.sampled_answers < 0 or self.sample_temperature <= 0:
             raise ValueError("sampled_answers must be >= 0 and sample_temperature positive")
 
@@ -190,9 +193,8 @@ def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig, starts: lis
     from torch.nn.utils.rnn import pad_sequence
     from tqdm import tqdm
 
-    from shared.engine.eagle import causal_mask
-
     from shared.engine.config import serving_dtype
+    from shared.engine.eagle import causal_mask
 
     bf16 = serving_dtype(cfg.train_dtype, torch.device("cpu")) == "bfloat16"
     rng = random.Random(cfg.seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import DTYPES
+from shared.engine.config import DTYPE_HELP, check_dtype
 
 
 @dataclass(slots=True)
@@ -21,8 +21,7 @@ class DraftConfig:
     kv_blocks: int = option(2048, "KV blocks of the draft model")
     max_model_len: int = option(8192, "longest sequence the draft model handles")
     device: str = option("auto", "cpu, cuda or auto")
-    dtype: str = option("auto", "float32, bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 "
-                                "matmuls, else float32), as the target's")
+    dtype: str = option("auto", DTYPE_HELP)
     num_threads: int | None = option(None, "torch CPU threads")
     metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
     tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
@@ -35,8 +34,7 @@ class DraftConfig:
     tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if self.targets is not None and not self.allowed_targets():
             raise ValueError("targets: give at least one host:port (or leave it unset)")
         if self.kv_blocks < 1 or self.block_size < 1:

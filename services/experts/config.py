@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import option
-from shared.engine.config import DTYPES, resolve_device, resolve_dtype, serving_dtype
+from shared.engine.config import DTYPE_HELP, check_dtype, resolve_device, resolve_dtype, serving_dtype
 
 
 @dataclass(slots=True)
@@ -19,8 +19,7 @@ class ExpertsConfig:
     expert_placement: str | None = option(None, "placement JSON of FFN units on the shards, the same file the target "
                                                 "reads (default: contiguous; dense FFNs split evenly)")
     device: str = option("auto", "cpu, cuda, or auto")
-    dtype: str = option("auto", "float32, bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 "
-                                "matmuls, else float32), as the target's")
+    dtype: str = option("auto", DTYPE_HELP)
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     progress: bool = option(False, "show a progress bar while reading the checkpoint")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16), "
@@ -37,8 +36,7 @@ class ExpertsConfig:
             raise ValueError(f"shard_index must be in [0, {self.num_shards}), got {self.shard_index}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import DTYPES, EngineConfig, resolve_device, serving_dtype
+from shared.engine.config import DTYPE_HELP, EngineConfig, check_dtype, resolve_device, serving_dtype
 
 
 @dataclass(slots=True)
@@ -13,8 +13,7 @@ class TargetConfig:
     metrics_port: int = option(8061, "Prometheus /metrics port (0 = off)")
     model: str | None = option(None, "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
     device: str = option("auto", "cpu, cuda, or auto")
-    dtype: str = option("auto", "float32, bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 "
-                                "matmuls, AVX512-BF16 or AMX; else float32)")
+    dtype: str = option("auto", DTYPE_HELP)
     block_size: int = option(16, "tokens per KV block")
     kv_cache_gb: float = option(1.0, "memory for the KV cache in GiB")
     num_kv_blocks: int | None = option(None, "number of KV blocks (overrides --kv-cache-gb)")
@@ -51,8 +50,7 @@ class TargetConfig:
     rebalance_extra: int = option(2, "replicas the rebalancer adds per unbalanced layer per round")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:

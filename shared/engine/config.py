@@ -53,14 +53,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = ("float32, bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 matmuls, "
+              "AVX512-BF16 or AMX; else float32)")
+
+
+def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES, what: str = "dtype") -> None:
+    """The one check of a dtype setting (every service config and train-draft call it in __post_init__)."""
+    if name not in allowed:
+        raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {name!r}")
 
 
 def serving_dtype(name: str, device: torch.device) -> str:
     """The services' "auto": bfloat16 on cuda and on CPUs with native bf16 matmuls (AVX512-BF16 or AMX), else
     float32. Decode on CPU is memory-bound, so bf16 weights halve a step's bytes; and a bf16 matmul over K + 1 rows
     costs about what one row does (fp32's grows with the rows), which is what makes verifying K drafts cheap."""
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    check_dtype(name)
     if name != "auto":
         return name
     return "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
