@@ -57,7 +57,10 @@ class TrainDraftConfig:
     train_dtype: str = option("auto", "compute dtype of the training passes (autocast; the weights and the optimiser "
                                       "stay fp32): float32, bfloat16, or auto (bfloat16 on CPUs with native bf16)")
     sampled_answers: int = option(0, "extra answers per training prompt, sampled at --sample-temperature (more and "
-                                     "more varied training text; the greedy answer is always there)")
+                                     "more varied training text)")
+    first_sample_round: int = option(1, "seed round of the first sampled answer: rounds first .. first + N - 1 "
+                                        "(a head retrained with --init can learn from answers it has not seen)")
+    greedy_answers: bool = option(True, "train on the greedy answer of every prompt too (false: sampled ones only)")
     sample_temperature: float = option(0.8, "temperature of the sampled answers")
     answer_loss_only: bool = option(True, "count the loss only where the head drafts in serving: positions of the "
                                           "target's answer (the prompt stays in the attention context); false: "
@@ -68,8 +71,10 @@ class TrainDraftConfig:
             raise ValueError("epochs, batch_size, draft_vocab, held_out and unroll must be positive")
         check_dtype(self.target_dtype, what="target_dtype")
         check_dtype(self.train_dtype, ("auto", "float32", "bfloat16"), "train_dtype")   # autocast: bf16 or none
-        if self.sampled_answers < 0 or self.sample_temperature <= 0:
-            raise ValueError("sampled_answers must be >= 0 and sample_temperature positive")
+        if self.sampled_answers < 0 or self.sample_temperature <= 0 or self.first_sample_round < 1:
+            raise ValueError("sampled_answers must be >= 0, sample_temperature positive and first_sample_round >= 1")
+        if not self.greedy_answers and not self.sampled_answers:
+            raise ValueError("no training text: greedy_answers is false and sampled_answers is 0")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +129,21 @@ def generate_answers(engine, prompts: list[list[int]], max_tokens: int, batch: i
         if sink:
             sink.close()
     return [done[tuple(p)] for p in prompts]
+
+
+def training_answers(engine, prompts: list[list[int]], cfg: TrainDraftConfig
+                     ) -> tuple[list[list[int]], list[list[int]]]:
+    """The training text: (prompt, answer) pairs of the greedy answers (--greedy-answers) and of sampled rounds
+    --first-sample-round .. + --sampled-answers - 1, each prompt once per kind."""
+    seq_prompts, answers = [], []
+    if cfg.greedy_answers:
+        answers += generate_answers(engine, prompts, cfg.max_tokens, cfg.gen_batch, cfg.answers_cache)
+        seq_prompts += prompts
+    for r in range(cfg.first_sample_round, cfg.first_sample_round + cfg.sampled_answers):
+        answers += generate_answers(engine, prompts, cfg.max_tokens, cfg.gen_batch, cfg.answers_cache,
+                                    cfg.sample_temperature, r)
+        seq_prompts += prompts
+    return seq_prompts, answers
 
 
 def teacher_features(engine, seqs: list[list[int]], tokens_per_pass: int = 2048):
@@ -298,12 +318,7 @@ def main(args: argparse.Namespace) -> None:
     tok = Tokenizer(engine.model_path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     test_prompts, train_prompts = prompts[:cfg.held_out], prompts[cfg.held_out:]
-    answers = generate_answers(engine, train_prompts, cfg.max_tokens, cfg.gen_batch, cfg.answers_cache)
-    seq_prompts = list(train_prompts)
-    for r in range(1, cfg.sampled_answers + 1):
-        answers += generate_answers(engine, train_prompts, cfg.max_tokens, cfg.gen_batch, cfg.answers_cache,
-                                    cfg.sample_temperature, r)
-        seq_prompts += train_prompts
+    seq_prompts, answers = training_answers(engine, train_prompts, cfg)
     seqs = [p + a for p, a in zip(seq_prompts, answers)]
     feats = cached_features(engine, seqs, cfg.features_cache)
     mcfg = engine.model_cfg

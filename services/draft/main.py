@@ -41,7 +41,7 @@ async def serve(cfg: DraftConfig) -> None:
     service = Service("upesi.v1.Draft", DraftServicer(links, cfg.allowed_targets()),
                       draft_pb2_grpc.add_DraftServicer_to_server)
     if cfg.metrics_port:
-        serve_metrics(cfg.metrics_port, cfg.address)
+        serve_metrics(cfg.metrics_port, cfg.address, ("upesi_draft_",))
     log.info("draft proposer %s", cfg.proposer)
     await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_stop=links.close)
 

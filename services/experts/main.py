@@ -36,7 +36,8 @@ async def serve(cfg: ExpertsConfig) -> None:
     shard = ExpertShard(path, placement, cfg.shard_index, cfg.torch_dtype(), cfg.torch_device(), cfg.progress,
                         cfg.nvfp4_act_quant)
     if cfg.metrics_port:
-        serve_metrics(cfg.metrics_port, cfg.address)
+        serve_metrics(cfg.metrics_port, cfg.address,
+                      ("upesi_expert_compute_", "upesi_expert_shard_", "upesi_expert_dispatch_"))
     service = Service("upesi.v1.Experts", ExpertsServicer(shard), experts_pb2_grpc.add_ExpertsServicer_to_server)
     await run_server(cfg.address, [service], tls=server_tls_from(cfg))
 

@@ -7,14 +7,19 @@ verification uses it for the target p and the draft q alike.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from shared.engine.sequence import Sequence
+
+
+CANDIDATES = 256          # tokens a filtered row looks at first (topk 0.12 ms a row against a 4.2 ms full sort)
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor) -> torch.Tensor:
     """logits [N, V] fp32, temperature/top_p [N] float, top_k [N] int (0 = off) -> probs [N, V].
-    Only rows with a top-k or top-p filter pay for sorting the vocab (4.7 ms a row at V = 49152 on this CPU)."""
+    Only rows with a top-k or top-p filter pay for ranking the vocab: first over the CANDIDATES most likely tokens,
+    which decides the row exactly when its kept set lies among them; the others sort the whole vocab."""
     logits = logits / temperature[:, None]
     v = logits.shape[-1]
     filtered = ((top_k > 0) & (top_k < v)) | (top_p < 1)                        # [N]
@@ -26,6 +31,32 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
 
 
 def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Tempered logits [N, V] -> probs [N, V] after top-k, then top-p: the candidate pass, then a full sort for
+    the rows it cannot decide."""
+    n, v = logits.shape
+    c = min(CANDIDATES, v)
+    vals, idx = logits.topk(c, dim=-1)                                          # [N, C], descending
+    k = torch.where(top_k > 0, top_k, v)                                        # [N]
+    # The top-k distribution's normaliser: over the candidates when k <= C, over the whole vocab when k = V.
+    within = k <= c
+    rank = torch.arange(c, device=logits.device)[None, :]
+    kept = vals.masked_fill(rank >= k[:, None], float("-inf"))
+    lse = torch.where(within, kept.logsumexp(-1), logits.logsumexp(-1))        # [N]
+    cand = (kept - lse[:, None]).exp()                                          # [N, C] top-k probs
+    mass_before = cand.cumsum(-1) - cand
+    drop = (rank >= k[:, None]) | (mass_before >= top_p[:, None])
+    drop[:, 0] = False
+    # Decided: the top-k set is inside the candidates, or the top-p head closes before the last candidate.
+    decided = within | ((mass_before[:, -1] + cand[:, -1] >= top_p) & (k == v))
+    out = torch.zeros_like(logits)
+    out.scatter_(-1, idx, vals.masked_fill(drop, float("-inf")).softmax(-1))
+    if not bool(decided.all()):
+        rest = (~decided).nonzero().squeeze(1)
+        out[rest] = _sorted_filtered_probs(logits[rest], top_k[rest], top_p[rest])
+    return out
+
+
+def _sorted_filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Tempered logits [N, V] -> probs [N, V] after top-k, then top-p (over the sorted vocab)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)                 # [N, V]
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
@@ -43,20 +74,45 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits [N, V] (row i belongs to seqs[i]) -> one token per row. Sampled rows draw one uniform u from their
     sequence's generator and take the first token whose cumulative probability exceeds u (inverse transform,
     batched: a multinomial call per row cost 1.4 ms at V = 49152)."""
-    out = logits.argmax(dim=-1).tolist()
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if len(rows) < len(seqs):                                     # greedy rows: argmax (all rows, when cheaper)
+        out = logits.argmax(dim=-1).tolist() if not rows else [0] * len(seqs)
+        if rows:
+            greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+            for i, tok in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+                out[i] = tok
+    else:
+        out = [0] * len(seqs)
     if rows:
         ps = [seqs[i].params for i in rows]
         probs = probs_from_logits(
-            logits[rows],
+            logits if len(rows) == len(seqs) else logits[rows],
             torch.tensor([p.temperature for p in ps], device=logits.device),
             torch.tensor([p.top_k for p in ps], device=logits.device),
             torch.tensor([p.top_p for p in ps], device=logits.device),
         )
         u = torch.tensor([float(torch.rand((), generator=seqs[i].generator, dtype=torch.float64)) for i in rows],
                          dtype=torch.float64, device=logits.device)                      # [n]
-        cdf = probs.double().cumsum(dim=-1)                                              # [n, V]
-        picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]    # first cdf > u * total
-        for i, tok in zip(rows, picked.clamp_max(logits.shape[-1] - 1).tolist()):
+        for i, tok in zip(rows, inverse_transform(probs, u).tolist()):
             out[i] = tok
     return out
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """probs [n, V] (any positive scale), u [n] float64 in [0, 1) -> [n] the first token whose cumulative mass
+    exceeds u * total. In two levels: the block of `block` tokens that holds it (block sums, a float64 cumsum over
+    V / block of them), then the token inside that block; the float64 cumsum over the whole vocab it replaces cost
+    55 of 106 ms at n = 128, V = 49152."""
+    n, v = probs.shape
+    pad = -v % block
+    blocks = F.pad(probs, (0, pad)).view(n, -1, block) if pad else probs.view(n, -1, block)      # [n, B, block]
+    cdf = blocks.sum(-1).double().cumsum(-1)                                             # [n, B]
+    target = u * cdf[:, -1]                                                              # [n], < the total
+    b = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_max(cdf.shape[1] - 1)   # [n]
+    rows = torch.arange(n, device=probs.device)
+    before = torch.where(b > 0, cdf[rows, (b - 1).clamp_min(0)], torch.zeros_like(target))
+    inner = blocks[rows, b].double().cumsum(-1)                                          # [n, block]
+    # Just below the block's own total, so that rounding never lands past its last token of positive mass.
+    rest = torch.minimum(target - before, inner[:, -1] * (1 - 1e-12))
+    t = torch.searchsorted(inner, rest[:, None], right=True)[:, 0].clamp_max(block - 1)
+    return (b * block + t).clamp_max(v - 1)

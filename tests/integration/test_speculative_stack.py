@@ -45,15 +45,17 @@ def wait_healthy(address: str, timeout_s: float = 300) -> None:
 def spec_stack(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("spec") / "stack.log", "w")
     draft, target, router = (f"127.0.0.1:{free_port()}" for _ in range(3))
-    metrics = free_port()
-    procs = {"draft": spawn(["draft", "--address", draft, "--proposer", "ngram"], log)}
+    metrics, draft_metrics = free_port(), free_port()
+    procs = {"draft": spawn(["draft", "--address", draft, "--proposer", "ngram", "--metrics-port",
+                             str(draft_metrics)], log)}
     procs["target"] = spawn(["target", "--address", target, "--num-speculative-tokens", "4",
                              "--metrics-port", str(metrics), "--kv-cache-gb", "0.25"], log)
     procs["router"] = spawn(["router", "--address", router, "--target", target, "--draft", draft,
                              "--http-port", "0"], log)
     try:
         wait_healthy(router)
-        yield {"router": router, "target": target, "draft": draft, "metrics": metrics, "procs": procs}
+        yield {"router": router, "target": target, "draft": draft, "metrics": metrics,
+               "draft_metrics": draft_metrics, "procs": procs}
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -80,6 +82,12 @@ def test_greedy_speculative_equals_transformers(spec_stack, hf_greedy):
         assert off.spec.draft_tokens == 0 and list(off.choices[0].token_ids) == hf_greedy[0][:16]
     text = urllib.request.urlopen(f"http://127.0.0.1:{spec_stack['metrics']}/metrics").read().decode()
     assert "upesi_spec_draft_tokens_total" in text and "upesi_spec_accepted_tokens_total" in text
+    # The draft exports its own families only (it imports modules that define the target's and router's).
+    text = urllib.request.urlopen(f"http://127.0.0.1:{spec_stack['draft_metrics']}/metrics").read().decode()
+    proposed = [line for line in text.splitlines() if line.startswith("upesi_draft_proposed_tokens_total ")]
+    assert proposed and float(proposed[0].split()[1]) > 0
+    assert "upesi_spec_draft_tokens" not in text and "upesi_requests_total" not in text
+    assert "process_cpu_seconds_total" in text or "python_info" in text
 
 
 def test_draft_refuses_targets_outside_its_allow_list(spec_stack, hf_greedy, tmp_path):

@@ -214,3 +214,29 @@ def test_answer_only_loss_counts_answer_pairs_and_keeps_prompt_features_real():
     valid, real = pair_masks([5, 3], [2, 0], 6)
     assert valid.tolist() == [[False, False, True, True, True, False], [True, True, True, False, False, False]]
     assert real.tolist() == [[True, True, True, False, False, False], [True, False, False, False, False, False]]
+
+
+def test_training_answers_pick_greedy_and_the_named_sampled_rounds(tmp_path):
+    """train-draft --greedy-answers / --sampled-answers / --first-sample-round: the training text is the greedy
+    answers (when asked) then sampled rounds first .. first + N - 1, paired with their prompts; no text is refused."""
+    from services.train_draft_cmd import TrainDraftConfig, generate_answers, training_answers
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from tests.parity.test_tiny_llama import save_tiny
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4))
+    prompts = [[3, 5, 7], [2, 4, 6, 8]]
+    kw = dict(max_tokens=6, gen_batch=2, sample_temperature=1.5)
+    later = TrainDraftConfig(greedy_answers=False, sampled_answers=2, first_sample_round=2, **kw)
+    seq_prompts, answers = training_answers(eng, prompts, later)
+    assert seq_prompts == prompts * 2
+    def sampled(r):
+        return generate_answers(eng, prompts, 6, 2, None, 1.5, r)
+    assert answers == sampled(2) + sampled(3)
+    assert answers[:2] != sampled(1)
+    both = training_answers(eng, prompts, TrainDraftConfig(sampled_answers=1, **kw))
+    assert both == (prompts * 2, generate_answers(eng, prompts, 6, 2) + sampled(1))
+    with pytest.raises(ValueError, match="no training text"):
+        TrainDraftConfig(greedy_answers=False, sampled_answers=0)
+    with pytest.raises(ValueError, match="first_sample_round"):
+        TrainDraftConfig(first_sample_round=0)

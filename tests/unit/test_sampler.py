@@ -73,3 +73,48 @@ def test_tiny_temperature_is_greedy_not_nan():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
     for t in (1e-40, 1e-300, 1e-6):
         assert sample(logits, seqs(SamplingParams(temperature=t, seed=1), 2)) == logits.argmax(-1).tolist()
+
+
+def test_candidate_pass_equals_full_sort_on_every_kind_of_row():
+    """Filtered rows are first ranked over the CANDIDATES most likely tokens; rows that pass cannot decide (top-k
+    above CANDIDATES, or a top-p head longer than CANDIDATES) sort the whole vocab. Either way the result is the
+    full-sort definition, also when both kinds share a batch."""
+    from shared.engine.sampler import CANDIDATES, _sorted_filtered_probs
+    g = torch.Generator().manual_seed(5)
+    v = 4096
+    peaked = torch.randn(v, generator=g) * 6          # top-p heads of a few tokens
+    flat = torch.randn(v, generator=g) * 0.1          # a top-p head of thousands of tokens
+    logits = torch.stack([peaked, flat, peaked, flat, peaked, flat])
+    top_k = torch.tensor([0, 0, 100, 3 * CANDIDATES, 3 * CANDIDATES, 7])
+    top_p = torch.tensor([0.9, 0.9, 0.95, 1.0, 0.999, 0.5])
+    temperature = torch.tensor([0.8, 1.0, 1.0, 1.0, 1.3, 1.0])
+    got = probs_from_logits(logits, temperature, top_k, top_p)
+    want = _sorted_filtered_probs(logits / temperature[:, None], top_k, top_p)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    kept = (got > 0).sum(-1).tolist()
+    assert kept[1] > CANDIDATES and kept[3] == 3 * CANDIDATES and kept[2] <= 100 and kept[5] <= 7, kept
+    for row in (0, 5):                                # and the textbook definition
+        ref = reference_probs(logits[row].tolist(), float(temperature[row]), int(top_k[row]), float(top_p[row]))
+        torch.testing.assert_close(got[row], torch.tensor(ref), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("v", [49152, 1000, 7])
+def test_two_level_inverse_transform_equals_one_cumsum(v):
+    """The block-then-token inverse transform picks the token a single float64 cumsum over the vocab picks (the
+    first whose cumulative mass exceeds u * total), never one of probability 0, for any vocab size."""
+    from shared.engine.sampler import inverse_transform
+    g = torch.Generator().manual_seed(v)
+    probs = (torch.randn(64, v, generator=g) * 3).softmax(-1)
+    keep = (torch.rand(32, v, generator=g) < 0.02) | (torch.arange(v) == torch.arange(32)[:, None] % v)
+    probs[:32] *= keep                                                  # mostly zeros: top-k / top-p shaped rows
+    probs[0] = 0
+    probs[0, v - 1] = 1.0                                               # all the mass on the last token
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[1] = 0.0
+    u[2] = 1 - 2 ** -52
+    got = inverse_transform(probs, u, block=256 if v > 256 else 4)
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(v - 1)
+    assert (probs[torch.arange(64), got] > 0).all()
+    assert (got == want).float().mean() > 0.98, (got != want).nonzero()   # only float32 block-sum rounding differs
+    assert got[0] == v - 1

@@ -1,0 +1,36 @@
+"""serve_metrics with prefixes: a service exports the families it updates, not every family its imports define."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+from tests.conftest import free_port
+
+
+def fetch(port: int) -> str:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_prefixes_limit_the_export_and_none_exports_all():
+    from services.draft import metrics as draft_metrics
+    from shared import metrics
+    from shared.metrics import serve_metrics
+
+    draft_metrics.PROPOSED_TOKENS.inc(3)
+    metrics.SPEC_DRAFT.inc(0)
+    only, every = free_port(), free_port()
+    serve_metrics(only, "127.0.0.1:1", ("upesi_draft_",))
+    serve_metrics(every, "127.0.0.1:1")
+    text = fetch(only)
+    assert "upesi_draft_proposed_tokens_total" in text and "upesi_draft_sequences" in text
+    assert "upesi_spec_draft_tokens" not in text and "upesi_requests_total" not in text
+    assert "python_info" in text
+    text = fetch(every)
+    assert "upesi_draft_proposed_tokens_total" in text and "upesi_spec_draft_tokens_total" in text
