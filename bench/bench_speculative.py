@@ -17,7 +17,8 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
 
     .venv/bin/python bench/bench_speculative.py [--head models/eagle-smollm2-135m] [--k 4] [--tokens 128]
         [--configs plain eagle-draft eagle-inproc] [--threads 1] [--dtype auto] [--rounds 2]
-    (a configuration NAME:DTYPE runs in that dtype, e.g. `--configs plain:float32 plain eagle-draft`)
+    (a configuration NAME:DTYPE runs in that dtype, e.g. `--configs plain:float32 plain eagle-draft`; NAME-fixed,
+    e.g. eagle-draft-fixed, always drafts K tokens instead of adapting K to each request's acceptance)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -57,8 +58,11 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str) -> list[s
     base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k), "--dtype", own or dtype]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
-    return base + {"plain": [], "eagle-draft": draft, "ngram-draft": ngram_draft,
-                   "eagle-inproc": ["--speculative", f"eagle:{head}"], "ngram": ["--speculative", "ngram"]}[name]
+    fixed = name.endswith("-fixed")                     # always K drafts (--adaptive-speculation false)
+    name = name.removesuffix("-fixed")
+    return base + ["--adaptive-speculation", str(not fixed).lower()] + {
+        "plain": [], "eagle-draft": draft, "ngram-draft": ngram_draft,
+        "eagle-inproc": ["--speculative", f"eagle:{head}"], "ngram": ["--speculative", "ngram"]}[name]
 
 
 def run_batch(stub, prompts: list[str], tokens: int, k: int | None) -> tuple[float, int, int]:

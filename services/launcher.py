@@ -38,6 +38,8 @@ class ServeConfig:
                                      "eagle:PATH): the router sends speculative requests to it, and it drives "
                                      "a Verify stream to the chosen target")
     num_speculative_tokens: int = option(3, "default K for speculative decoding")
+    adaptive_speculation: bool = option(True, "the targets adapt each request's K to its acceptance (1 .. K); "
+                                              "false: always K")
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")
@@ -183,7 +185,8 @@ def main(args: argparse.Namespace) -> None:
         experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
         if experts and cfg.rebalance_interval_s:
             experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
-        spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
+        spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
+                "--adaptive-speculation", str(cfg.adaptive_speculation).lower()]
         if cfg.speculative:
             spec += ["--speculative", cfg.speculative]
         if cfg.draft:

@@ -25,6 +25,9 @@ class TargetConfig:
     enable_prefix_caching: bool = option(True, "reuse computed KV blocks across requests with a common prefix")
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = option(3, "default K, the draft tokens verified per step")
+    adaptive_speculation: bool = option(True, "each request's K follows its acceptance (one more after all drafts "
+                                              "were accepted, one fewer after none, between 1 and K); false: "
+                                              "always K")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
     draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
                                          "Verify stream; past it those requests decode without drafts for 5 s")
@@ -73,4 +76,5 @@ class TargetConfig:
                             max_model_len=self.max_model_len, num_threads=self.num_threads, progress=self.progress,
                             enable_prefix_caching=self.enable_prefix_caching, speculative=self.speculative,
                             num_speculative_tokens=self.num_speculative_tokens,
+                            adaptive_speculation=self.adaptive_speculation,
                             nvfp4_act_quant=self.nvfp4_act_quant)

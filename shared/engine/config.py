@@ -22,6 +22,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # reuse computed full blocks across requests
     speculative: str | None = None        # proposer: "ngram" or "draft-model:PATH" (None = no speculation)
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
+    adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 

@@ -269,7 +269,8 @@ class LLMEngine:
                                    {"upesi.draft_tokens": len(draft), "upesi.accepted_tokens": n})
         self.stats_draft += len(draft)
         self.stats_accepted += n
-        seq.spec_k = seq.spec_k + 1 if n == len(draft) else max(1, seq.spec_k - (n == 0))   # adaptive K
+        if self.cfg.adaptive_speculation:                                                   # adaptive K
+            seq.spec_k = seq.spec_k + 1 if n == len(draft) else max(1, seq.spec_k - (n == 0))
         emitted = []
         for t in draft[:n] + [tok]:
             seq.token_ids.append(t)

@@ -1,0 +1,56 @@
+"""Adaptive K: a request's K drops by one after a verification that accepted none of its drafts and grows by one
+(up to the deployment's K) after one that accepted all; `adaptive_speculation=False` always asks for K. Greedy
+output stays the plain greedy output either way."""
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from tests.parity.test_tiny_llama import save_tiny
+
+PROMPT, TOKENS, K = [3, 5, 7, 9], 24, 4
+
+
+class Scripted:
+    """Proposes the plain greedy continuation (all accepted) while `right`, else tokens that are never the argmax;
+    records the K the engine asks for."""
+
+    def __init__(self, greedy: list[int], vocab: int) -> None:
+        self.greedy, self.vocab, self.right, self.asked = greedy, vocab, False, []
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            self.asked.append(k)
+            done = s.num_output_tokens
+            truth = self.greedy[done:done + k]
+            out.append((truth if self.right else [(t + 1) % self.vocab for t in truth], None))
+        return out
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_k_follows_acceptance_only_when_adaptive(tmp_path, adaptive):
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
+                                 num_speculative_tokens=K, adaptive_speculation=adaptive))
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    greedy = eng.generate([PROMPT], params)[0][0]
+    eng.proposer = prop = Scripted(greedy, eng.model_cfg.vocab_size)
+    wrong = eng.generate([PROMPT], params)[0][0]
+    asked_wrong, prop.asked = prop.asked, []
+    prop.right = True
+    right = eng.generate([PROMPT], params)[0][0]
+    assert wrong == greedy and right == greedy
+    if adaptive:
+        assert asked_wrong[:5] == [4, 3, 2, 1, 1]              # down by one after each verification with none accepted
+        assert min(asked_wrong) == 1
+    else:
+        # K every time, but never past max_tokens (one token a verification: the correction)
+        assert asked_wrong == [min(K, TOKENS - n - 1) for n in range(1, TOKENS - 1)]
+    assert prop.asked[0] == K and set(prop.asked[:-1]) == {K}  # all accepted: K stays at the deployment's K
+    assert eng.block_manager.num_used_blocks == 0
