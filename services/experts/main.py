@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(cfg: ExpertsConfig) -> None:
-    from services.experts.servicer import ExpertsServicer
+    from services.experts.servicer import EXPORTED, ExpertsServicer
     from services.experts.shard import ExpertShard
     from shared.model.loader import load_config, resolve_model_path
     from shared.model.placement import load_placement, num_routed_experts
@@ -36,8 +36,7 @@ async def serve(cfg: ExpertsConfig) -> None:
     shard = ExpertShard(path, placement, cfg.shard_index, cfg.torch_dtype(), cfg.torch_device(), cfg.progress,
                         cfg.nvfp4_act_quant)
     if cfg.metrics_port:
-        serve_metrics(cfg.metrics_port, cfg.address,
-                      ("upesi_expert_compute_", "upesi_expert_shard_", "upesi_expert_dispatch_"))
+        serve_metrics(cfg.metrics_port, cfg.address, EXPORTED)
     service = Service("upesi.v1.Experts", ExpertsServicer(shard), experts_pb2_grpc.add_ExpertsServicer_to_server)
     await run_server(cfg.address, [service], tls=server_tls_from(cfg))
 

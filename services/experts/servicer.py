@@ -19,6 +19,7 @@ COMPUTE_SECONDS = Histogram("upesi_expert_compute_seconds", "Time a shard spends
 SLOTS = Counter("upesi_expert_shard_slots_total", "(token, unit) slots computed by this shard")
 DISPATCH_TOKENS = Histogram("upesi_expert_dispatch_tokens", "Token rows per Dispatch call (the batch a shard sees)",
                             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
+EXPORTED = tuple(m.describe()[0].name for m in (COMPUTE_SECONDS, SLOTS, DISPATCH_TOKENS))   # a shard's /metrics
 
 
 def tensor_from_pb(t: experts_pb2.Tensor, field: str) -> torch.Tensor:

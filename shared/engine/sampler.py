@@ -41,7 +41,9 @@ def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     within = k <= c
     rank = torch.arange(c, device=logits.device)[None, :]
     kept = vals.masked_fill(rank >= k[:, None], float("-inf"))
-    lse = torch.where(within, kept.logsumexp(-1), logits.logsumexp(-1))        # [N]
+    lse = kept.logsumexp(-1)                                                    # [N]
+    if not bool(within.all()):
+        lse[~within] = logits[~within].logsumexp(-1)
     cand = (kept - lse[:, None]).exp()                                          # [N, C] top-k probs
     mass_before = cand.cumsum(-1) - cand
     drop = (rank >= k[:, None]) | (mass_before >= top_p[:, None])
