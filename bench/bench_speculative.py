@@ -18,7 +18,8 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
     .venv/bin/python bench/bench_speculative.py [--head models/eagle-smollm2-135m] [--k 4] [--tokens 128]
         [--configs plain eagle-draft eagle-inproc] [--threads 1] [--dtype auto] [--rounds 2]
     (a configuration NAME:DTYPE runs in that dtype, e.g. `--configs plain:float32 plain eagle-draft`; NAME-fixed,
-    e.g. eagle-draft-fixed, always drafts K tokens instead of adapting K to each request's acceptance)
+    e.g. eagle-draft-fixed, always asks for K tokens instead of adapting K to each request's acceptance; NAME@X
+    stops a draft below path probability X instead of the head's own setting, e.g. eagle-draft@0 never stops early)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -53,9 +54,13 @@ PROMPTS = [
 
 
 def serve_args(name: str, head: str, k: int, threads: int, dtype: str) -> list[str]:
-    """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32)."""
+    """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32), and
+    NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for)."""
     name, _, own = name.partition(":")
+    name, _, conf = name.partition("@")
     base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k), "--dtype", own or dtype]
+    if conf:
+        base += ["--draft-confidence", conf]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     fixed = name.endswith("-fixed")                     # always K drafts (--adaptive-speculation false)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
-from shared.engine.config import DTYPE_HELP, check_dtype
+from shared.engine.config import DTYPE_HELP, check_dtype, check_draft_confidence
 
 
 @dataclass(slots=True)
@@ -40,6 +40,9 @@ class ServeConfig:
     num_speculative_tokens: int = option(3, "default K for speculative decoding")
     adaptive_speculation: bool = option(True, "the targets adapt each request's K to its acceptance (1 .. K); "
                                               "false: always K")
+    draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
+                                                  "probability of its draft path falls below this (0 = always K "
+                                                  "drafts; default: the head's own, from eagle.json)")
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")
@@ -58,6 +61,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        check_draft_confidence(self.draft_confidence)
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
         if self.expert_shards < 0:
@@ -187,12 +191,13 @@ def main(args: argparse.Namespace) -> None:
             experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
         spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
                 "--adaptive-speculation", str(cfg.adaptive_speculation).lower()]
+        confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
         if cfg.speculative:
-            spec += ["--speculative", cfg.speculative]
+            spec += ["--speculative", cfg.speculative, *confidence]
         if cfg.draft:
             shards[len(procs)] = ("draft service", cfg.draft_address, [
                 "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
-                "--dtype", cfg.dtype,
+                "--dtype", cfg.dtype, *confidence,
                 "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model, *threads])
             procs.append(_child(shards[len(procs)][2], env))
         for i, address in enumerate(cfg.target_addresses()):

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
-from shared.engine.config import check_dtype
+from shared.engine.config import check_draft_confidence, check_dtype
 
 DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                                "draft_prompts_large.txt")
@@ -27,7 +27,8 @@ DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 @dataclass(slots=True)
 class TrainDraftConfig:
     model: str | None = option(None, "target model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M)")
-    prompts: str = option(DEFAULT_PROMPTS, "prompt set, one prompt per line")
+    prompts: str = option(DEFAULT_PROMPTS, "prompt set, one prompt per line (several files: comma-separated, "
+                                           "joined before the seeded shuffle)")
     out: str = option("models/eagle-head", "output folder: head.safetensors + eagle.json")
     held_out: int = option(24, "prompts kept for the acceptance figure")
     limit: int | None = option(None, "use only this many prompts of the set (after a seeded shuffle)")
@@ -62,6 +63,9 @@ class TrainDraftConfig:
                                         "(a head retrained with --init can learn from answers it has not seen)")
     greedy_answers: bool = option(True, "train on the greedy answer of every prompt too (false: sampled ones only)")
     sample_temperature: float = option(0.8, "temperature of the sampled answers")
+    draft_confidence: float = option(0.15, "written into the head's eagle.json: serving stops a draft once the head's "
+                                          "probability of its draft path falls below this (0 = always K; "
+                                          "--draft-confidence of the services overrides it)")
     answer_loss_only: bool = option(True, "count the loss only where the head drafts in serving: positions of the "
                                           "target's answer (the prompt stays in the attention context); false: "
                                           "every position, user text included")
@@ -70,6 +74,7 @@ class TrainDraftConfig:
         if min(self.epochs, self.batch_size, self.draft_vocab, self.held_out, self.unroll) < 1:
             raise ValueError("epochs, batch_size, draft_vocab, held_out and unroll must be positive")
         check_dtype(self.target_dtype, what="target_dtype")
+        check_draft_confidence(self.draft_confidence)
         check_dtype(self.train_dtype, ("auto", "float32", "bfloat16"), "train_dtype")   # autocast: bf16 or none
         if self.sampled_answers < 0 or self.sample_temperature <= 0 or self.first_sample_round < 1:
             raise ValueError("sampled_answers must be >= 0, sample_temperature positive and first_sample_round >= 1")
@@ -306,8 +311,7 @@ def main(args: argparse.Namespace) -> None:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    with open(cfg.prompts) as f:
-        texts = [line.strip() for line in f if line.strip()]
+    texts = read_prompts(cfg.prompts)
     if len(texts) <= cfg.held_out:
         raise ValueError(f"{cfg.prompts} has {len(texts)} prompts; need more than --held-out {cfg.held_out}")
     random.Random(cfg.seed).shuffle(texts)
@@ -337,12 +341,22 @@ def main(args: argparse.Namespace) -> None:
     # In serving the first draft reads the pair (last prompt feature, first answer token): pair len(prompt) - 1.
     starts = [len(p) - 1 for p in seq_prompts] if cfg.answer_loss_only else None
     train(head, seqs, feats, cfg, starts)
+    head.cfg.draft_confidence = cfg.draft_confidence
     head.save(cfg.out, getattr(torch, cfg.dtype))
     size = os.path.getsize(os.path.join(cfg.out, "head.safetensors")) / 2**20
     print(f"saved {cfg.out} ({size:.1f} MiB) after {time.perf_counter() - t0:.0f} s", flush=True)
     tau, same = acceptance(cfg.model, cfg.out, test_prompts, cfg.max_tokens, 4)
     print(f"held-out ({len(test_prompts)} prompts, greedy, K = 4): mean accepted length {tau:.2f} tokens per "
           f"target step; speculative output equals greedy output: {same}; total {time.perf_counter() - t0:.0f} s")
+
+
+def read_prompts(files: str) -> list[str]:
+    """The prompts of comma-separated files, one per non-empty line, each once (first occurrence kept)."""
+    texts: dict[str, None] = {}
+    for path in files.split(","):
+        with open(path.strip()) as f:
+            texts.update((line.strip(), None) for line in f if line.strip())
+    return list(texts)
 
 
 def _coverage(answers: list[list[int]], id_map) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import DTYPE_HELP, check_dtype
+from shared.engine.config import DTYPE_HELP, check_dtype, check_draft_confidence
 
 
 @dataclass(slots=True)
@@ -17,6 +17,9 @@ class DraftConfig:
     targets: str | None = option(None, "comma-separated host:port of the targets this draft may open Verify streams "
                                        "to (a request naming another is refused with PERMISSION_DENIED); unset = "
                                        "any target the router names")
+    draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
+                                                  "probability of its draft path falls below this (0 = always K "
+                                                  "drafts; default: the head's own, from eagle.json)")
     block_size: int = option(16, "tokens per KV block of the draft model")
     kv_blocks: int = option(2048, "KV blocks of the draft model")
     max_model_len: int = option(8192, "longest sequence the draft model handles")
@@ -35,6 +38,7 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        check_draft_confidence(self.draft_confidence)
         if self.targets is not None and not self.allowed_targets():
             raise ValueError("targets: give at least one host:port (or leave it unset)")
         if self.kv_blocks < 1 or self.block_size < 1:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import DTYPE_HELP, EngineConfig, check_dtype, resolve_device, serving_dtype
+from shared.engine.config import (DTYPE_HELP, EngineConfig, check_draft_confidence, check_dtype, resolve_device,
+                                  serving_dtype)
 
 
 @dataclass(slots=True)
@@ -28,6 +29,9 @@ class TargetConfig:
     adaptive_speculation: bool = option(True, "each request's K follows its acceptance (one more after all drafts "
                                               "were accepted, one fewer after none, between 1 and K); false: "
                                               "always K")
+    draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
+                                                  "probability of its draft path falls below this (0 = always K "
+                                                  "drafts; default: the head's own, from eagle.json)")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
     draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
                                          "Verify stream; past it those requests decode without drafts for 5 s")
@@ -54,6 +58,7 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        check_draft_confidence(self.draft_confidence)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:
@@ -77,4 +82,5 @@ class TargetConfig:
                             enable_prefix_caching=self.enable_prefix_caching, speculative=self.speculative,
                             num_speculative_tokens=self.num_speculative_tokens,
                             adaptive_speculation=self.adaptive_speculation,
+                            draft_confidence=self.draft_confidence,
                             nvfp4_act_quant=self.nvfp4_act_quant)

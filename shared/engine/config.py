@@ -23,6 +23,7 @@ class EngineConfig:
     speculative: str | None = None        # proposer: "ngram" or "draft-model:PATH" (None = no speculation)
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
     adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
+    draft_confidence: float | None = None  # eagle: stop drafting below this path probability (None = the head's)
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 
@@ -62,6 +63,12 @@ def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES, what: str = "dtype
     """The one check of a dtype setting (every service config and train-draft call it in __post_init__)."""
     if name not in allowed:
         raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {name!r}")
+
+
+def check_draft_confidence(value: float | None) -> None:
+    """The one check of a draft_confidence setting (target, draft and serve configs)."""
+    if value is not None and not 0.0 <= value < 1.0:
+        raise ValueError(f"draft_confidence must be in [0, 1), got {value}")
 
 
 def serving_dtype(name: str, device: torch.device) -> str:

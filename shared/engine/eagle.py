@@ -42,6 +42,7 @@ class EagleConfig:
     draft_vocab_size: int           # N, rows of the id map
     max_position: int = 8192
     post_norm: bool = False         # features after the target's final norm (EAGLE-1); False: before it
+    draft_confidence: float = 0.0   # serving default: stop a draft once its path probability falls below this
 
 
 class EagleHead(nn.Module):

@@ -43,8 +43,11 @@ class HeadState:
 class EagleProposer:
     wants_hidden = True
 
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: EagleHead, min_confidence: float = 0.0) -> None:
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"draft confidence must be in [0, 1), got {min_confidence}")
         self.head = head
+        self.min_confidence = min_confidence          # 0 = always draft the K tokens asked for
         self.states: dict[int, HeadState] = {}
 
     # ---------------------------------------------------------------- features in
@@ -84,23 +87,36 @@ class EagleProposer:
         for st, f in zip(states, feats):
             st.real += len(f)
             st.feats = f[:0]
-        # 2) K draft steps; step j > 0 feeds back the predicted feature and drafted token
+        # 2) up to K draft steps; step j > 0 feeds back the predicted feature and drafted token. A row stops early
+        # once the head's own probability of its draft path (the product of its tokens' probabilities) would fall
+        # below min_confidence: the head is well calibrated, so unlikely drafts are not worth their step.
         tokens: list[list[int]] = [[] for _ in live]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
-        kmax = max(ks[i] for i in live)
-        for step in range(kmax):
-            logits = self.head.logits(last)                          # [B, N]
-            drafted = self._choose(logits, [seqs[i] for i in live], states)
-            for b, (tok, q) in enumerate(drafted):
-                if step < ks[live[b]]:
-                    tokens[b].append(tok)
-                    if q is not None:
-                        probs[b].append(q)
-            if step + 1 == kmax:
+        path = [1.0] * len(live)
+        rows = list(range(len(live)))                                # rows still drafting
+        for step in range(max(ks[i] for i in live)):
+            logits = self.head.logits(last)                          # [R, N]
+            drafted = self._choose(logits, [seqs[live[b]] for b in rows], [states[b] for b in rows])
+            if self.min_confidence:
+                conf = logits.softmax(-1)[torch.arange(len(rows)), torch.tensor([j for _, _, j in drafted])]
+            go = []
+            for r, (b, (tok, q, _)) in enumerate(zip(rows, drafted)):
+                if self.min_confidence:
+                    path[b] *= float(conf[r])
+                if step and path[b] < self.min_confidence:
+                    continue                                         # stop this row before this draft
+                tokens[b].append(tok)
+                if q is not None:
+                    probs[b].append(q)
+                if step + 1 < ks[live[b]]:
+                    go.append(r)
+            if not go:
                 break
-            nxt = [torch.tensor([tok]) for tok, _ in drafted]
-            npos = [torch.tensor([st.origin + len(st.k)]) for st in states]
-            last = self._run(states, [f[None] for f in last], nxt, npos)
+            rows = [rows[r] for r in go]
+            nxt = [torch.tensor([drafted[r][0]]) for r in go]                 # [1] each
+            sub = [states[b] for b in rows]
+            npos = [torch.tensor([st.origin + len(st.k)]) for st in sub]
+            last = self._run(sub, [last[r][None] for r in go], nxt, npos)
         for b, i in enumerate(live):
             out[i] = (tokens[b], torch.stack(probs[b]) if probs[b] else None)
         return out
@@ -131,11 +147,12 @@ class EagleProposer:
         return w.new_zeros(0, c.num_kv_heads, c.head_dim)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], states: list[HeadState]
-                ) -> list[tuple[int, torch.Tensor | None]]:
-        """logits [B, N] -> per row (full-vocab token, q [V] or None for a greedy point mass)."""
+                ) -> list[tuple[int, torch.Tensor | None, int]]:
+        """logits [B, N] -> per row (full-vocab token, q [V] or None for a greedy point mass, reduced-vocab index)."""
         id_map = self.head.id_map
-        greedy = id_map[logits.argmax(-1)].tolist()
-        out: list[tuple[int, torch.Tensor | None]] = []
+        best = logits.argmax(-1)
+        greedy, best = id_map[best].tolist(), best.tolist()
+        out: list[tuple[int, torch.Tensor | None, int]] = []
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         qs = None
         if sampled:
@@ -145,7 +162,7 @@ class EagleProposer:
         row = {b: j for j, b in enumerate(sampled)}
         for b, s in enumerate(seqs):
             if b not in row:
-                out.append((greedy[b], None))
+                out.append((greedy[b], None, best[b]))
                 continue
             st = states[b]
             if st.generator is None:
@@ -154,7 +171,7 @@ class EagleProposer:
             q_red = qs[row[b]]                                                           # [N]
             j = int(torch.multinomial(q_red, 1, generator=st.generator))
             q = q_red.new_zeros(self.head.cfg.vocab_size).index_copy_(0, id_map, q_red)   # [V]
-            out.append((int(id_map[j]), q))
+            out.append((int(id_map[j]), q, j))
         return out
 
     def release(self, seq_id: int) -> None:
@@ -162,9 +179,10 @@ class EagleProposer:
 
 
 def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torch.nn.Module | None,
-               target_path: str | None) -> EagleProposer:
+               target_path: str | None, min_confidence: float | None = None) -> EagleProposer:
     """The head at `path`, with the embedding, final norm and LM head of `target` (in-process) or of the checkpoint
-    at `target_path` (a draft service; None = the default model)."""
+    at `target_path` (a draft service; None = the default model); drafts stop below `min_confidence` (None = the
+    head's own draft_confidence)."""
     from shared.engine.eagle import load_target_parts
 
     head = EagleHead.load(path, dtype, device)
@@ -175,4 +193,4 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
     if head.embed.shape[0] != head.cfg.vocab_size:
         raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
                          f"{head.embed.shape[0]}")
-    return EagleProposer(head)
+    return EagleProposer(head, head.cfg.draft_confidence if min_confidence is None else min_confidence)

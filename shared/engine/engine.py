@@ -59,7 +59,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         self.proposer = make_proposer(cfg.speculative, cfg.draft_kv_blocks, cfg.block_size, dtype, device,
-                                      self.max_model_len, target=model) if cfg.speculative else None
+                                      self.max_model_len, target=model,
+                                      draft_confidence=cfg.draft_confidence) if cfg.speculative else None
         self.requests: dict[str, list[Sequence]] = {}
         self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
         self.beam_groups: dict[str, BeamGroup] = {}              # request id -> its beam search

@@ -130,16 +130,18 @@ class DraftModelProposer:
 
 
 def make_proposer(spec: str, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                  max_len: int, target: torch.nn.Module | None = None, target_path: str | None = None) -> Proposer:
+                  max_len: int, target: torch.nn.Module | None = None, target_path: str | None = None,
+                  draft_confidence: float | None = None) -> Proposer:
     """`ngram`, `draft-model:PATH` or `eagle:PATH`. An eagle head takes the target's embedding, final norm and LM
-    head from `target` (in-process) or else from the checkpoint at `target_path` (None = the default model)."""
+    head from `target` (in-process) or else from the checkpoint at `target_path` (None = the default model), and
+    stops a draft below `draft_confidence` (None = the head's own setting)."""
     from shared.engine.eagle_proposer import make_eagle
 
     kind, _, arg = spec.partition(":")
     factories: dict[str, Callable[[], Proposer]] = {
         "ngram": lambda: NgramProposer(),
         "draft-model": lambda: DraftModelProposer(arg, num_blocks, block_size, dtype, device, max_len),
-        "eagle": lambda: make_eagle(arg, dtype, device, target, target_path),
+        "eagle": lambda: make_eagle(arg, dtype, device, target, target_path, draft_confidence),
     }
     if kind not in factories or (kind != "ngram" and not arg):
         raise ValueError(f"unknown speculative proposer {spec!r}; use 'ngram', 'draft-model:PATH' or 'eagle:PATH'")

@@ -139,6 +139,69 @@ def test_drafts_follow_the_eagle_recurrence(post_norm):
     assert st.real == n and torch.allclose(st.k, k[0, :n + 3], atol=1e-5)
 
 
+@pytest.mark.parametrize("theta", [0.0, 0.05, 0.3, 0.9])
+def test_a_draft_stops_where_its_path_probability_falls_below_the_confidence(theta):
+    """min_confidence: the drafts are the first tokens of the K the head would draft, as many as keep the product of
+    the head's own probabilities (softmax over the reduced vocab) at or above theta; the first is always drafted.
+    In a batch every row stops on its own, and a sampled row keeps q for each of its drafts."""
+    head = tiny_head(7)
+    g = torch.Generator().manual_seed(8)
+    greedy = SamplingParams(temperature=0, max_tokens=50)
+    seqs, feats = [], []
+    for n in (6, 11, 9, 14):
+        seqs.append(Sequence("r", 0, torch.randint(0, V, (n,), generator=g).tolist(), greedy))
+        feats.append(torch.randn(n - 1, D, generator=g) * 3)
+    full, confs = [], []
+    for s, f in zip(seqs, feats):                        # reference: all K drafts, and each one's probability
+        prop = EagleProposer(head)
+        prop.accept_hidden(s, 0, f)
+        logits = []
+        head_logits = head.logits
+        head.logits = lambda x: logits.append(head_logits(x)) or logits[-1]
+        try:
+            full.append(prop.propose([s], [5])[0][0])
+        finally:
+            del head.logits
+        confs.append([float(lg.softmax(-1).max()) for lg in logits])
+    want = []
+    for toks, c in zip(full, confs):
+        n, path = 1, c[0]
+        while n < len(toks) and path * c[n] >= theta:
+            path *= c[n]
+            n += 1
+        want.append(toks[:n])
+    prop = EagleProposer(head, min_confidence=theta)
+    for s, f in zip(seqs, feats):
+        prop.accept_hidden(s, 0, f)
+    got = [t for t, _ in prop.propose(seqs, [5] * len(seqs))]
+    assert got == want
+    if theta == 0.0:
+        assert all(len(t) == 5 for t in got)
+    if theta == 0.3:                                    # the setting matters here: some rows stop early, some not
+        assert len({len(t) for t in got}) > 1
+    sampled = Sequence("s", 0, seqs[1].token_ids, SamplingParams(temperature=0.8, seed=1, max_tokens=50))
+    prop.accept_hidden(sampled, 0, feats[1])
+    toks, q = prop.propose([sampled], [5])[0]
+    assert 1 <= len(toks) <= 5 and q.shape == (len(toks), V)
+
+
+def test_draft_confidence_comes_from_the_head_unless_set(tmp_path):
+    from shared.engine.eagle_proposer import make_eagle
+    from shared.engine.config import check_draft_confidence
+    head = tiny_head()
+    head.cfg.draft_confidence = 0.2
+    head.save(str(tmp_path / "h"))
+    target = torch.nn.Module()
+    target.embed_tokens, target.norm, target.lm_head = torch.nn.Embedding(V, D), head.final_norm, torch.nn.Linear(D, V)
+    assert make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None).min_confidence == 0.2
+    assert make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, 0.0).min_confidence == 0
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="draft_confidence"):
+            check_draft_confidence(bad)
+        with pytest.raises(ValueError, match="confidence"):
+            EagleProposer(head, bad)
+
+
 def test_batched_teacher_features_equal_one_sequence_at_a_time(tmp_path):
     """train-draft's features: several sequences per forward pass give each one's hidden states, exactly."""
     from services.train_draft_cmd import teacher_features
