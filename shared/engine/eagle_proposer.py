@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from shared.engine.config import check_draft_confidence
 from shared.engine.eagle import EagleHead, causal_mask
 from shared.engine.proposers import Proposal
 from shared.engine.sampler import probs_from_logits
@@ -44,8 +45,7 @@ class EagleProposer:
     wants_hidden = True
 
     def __init__(self, head: EagleHead, min_confidence: float = 0.0) -> None:
-        if not 0.0 <= min_confidence < 1.0:
-            raise ValueError(f"draft confidence must be in [0, 1), got {min_confidence}")
+        check_draft_confidence(min_confidence)
         self.head = head
         self.min_confidence = min_confidence          # 0 = always draft the K tokens asked for
         self.states: dict[int, HeadState] = {}
@@ -98,11 +98,11 @@ class EagleProposer:
             logits = self.head.logits(last)                          # [R, N]
             drafted = self._choose(logits, [seqs[live[b]] for b in rows], [states[b] for b in rows])
             if self.min_confidence:
-                conf = logits.softmax(-1)[torch.arange(len(rows)), torch.tensor([j for _, _, j in drafted])]
+                conf = logits.softmax(-1)[torch.arange(len(rows)), torch.tensor([j for _, _, j in drafted])].tolist()
             go = []
             for r, (b, (tok, q, _)) in enumerate(zip(rows, drafted)):
                 if self.min_confidence:
-                    path[b] *= float(conf[r])
+                    path[b] *= conf[r]
                 if step and path[b] < self.min_confidence:
                     continue                                         # stop this row before this draft
                 tokens[b].append(tok)
