@@ -19,7 +19,8 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
         [--configs plain eagle-draft eagle-inproc] [--threads 1] [--dtype auto] [--rounds 2]
     (a configuration NAME:DTYPE runs in that dtype, e.g. `--configs plain:float32 plain eagle-draft`; NAME-fixed,
     e.g. eagle-draft-fixed, always asks for K tokens instead of adapting K to each request's acceptance; NAME@X
-    stops a draft below path probability X instead of the head's own setting, e.g. eagle-draft@0 never stops early)
+    stops a draft below path probability X instead of the head's own setting, e.g. eagle-draft@0 never stops early;
+    NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -54,13 +55,17 @@ PROMPTS = [
 
 
 def serve_args(name: str, head: str, k: int, threads: int, dtype: str) -> list[str]:
-    """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32), and
-    NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for)."""
+    """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32),
+    NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for), NAME/N sets
+    --draft-tree-nodes N (e.g. eagle-draft/0: chains)."""
     name, _, own = name.partition(":")
+    name, _, nodes = name.partition("/")
     name, _, conf = name.partition("@")
     base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k), "--dtype", own or dtype]
     if conf:
         base += ["--draft-confidence", conf]
+    if nodes:
+        base += ["--draft-tree-nodes", nodes]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     fixed = name.endswith("-fixed")                     # always K drafts (--adaptive-speculation false)
@@ -98,7 +103,7 @@ def measure_stacks(args) -> dict[str, dict[str, dict[str, float]]]:
     stacks, channels, stubs = {}, [], {}
     try:
         for name in args.configs:
-            tmp = Path(tempfile.mkdtemp(prefix=f"bench-spec-{name}-"))
+            tmp = Path(tempfile.mkdtemp(prefix=f"bench-spec-{name.replace('/', '_')}-"))
             stacks[name] = Stack(tmp, serve_args(name, args.head, args.k, args.threads, args.dtype))
         for name, stack in stacks.items():
             stack.wait_ready(600)
@@ -125,8 +130,9 @@ def measure_stacks(args) -> dict[str, dict[str, dict[str, float]]]:
             stack.stop()
 
 
-def measure_cost_ratio(head: str, k: int, threads: int, dtype: str, reps: int = 20) -> float:
-    """c = (one eagle head step) / (one target decode step), batch 1, in this process, same weights."""
+def measure_cost_ratio(head: str, k: int, threads: int, dtype: str, reps: int = 20, tree_nodes: int = 0) -> float:
+    """c = (one eagle head step) / (one target decode step), batch 1, in this process, same weights; a chain of k
+    drafts (tree_nodes = 0) or a tree of tree_nodes nodes and depth k."""
     import torch
 
     from shared.engine.config import EngineConfig, serving_dtype
@@ -136,7 +142,7 @@ def measure_cost_ratio(head: str, k: int, threads: int, dtype: str, reps: int = 
     torch.set_num_threads(threads)
     eng = LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.25, speculative=f"eagle:{head}",
                                  dtype=serving_dtype(dtype, torch.device("cpu")),
-                                 num_speculative_tokens=k))
+                                 num_speculative_tokens=k, draft_tree_nodes=tree_nodes))
     prompt = list(range(100, 160))
     eng.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True,
                                                 num_speculative_tokens=0))
@@ -186,8 +192,11 @@ def main() -> None:
 
     results = measure_stacks(args)
     c = measure_cost_ratio(args.head, args.k, args.threads, args.dtype)
+    nodes = head_config(args.head).tree_nodes
+    c_tree = measure_cost_ratio(args.head, args.k, args.threads, args.dtype, tree_nodes=nodes) if nodes else c
     print(f"\ndefault model, greedy, {args.tokens} tokens, K = {args.k}, dtype {args.dtype}, c = {c:.3f} "
-          "(head step / target step)")
+          f"(head step / target step; a depth of the head's {nodes}-node trees: {c_tree:.3f}; the bound is the "
+          "chain's)")
     print(f"{'config':14} {'batch':>5} {'tok/s':>8} {'tau':>6} {'a':>6} {'speedup':>8} {'bound':>6}")
     rows = []
     for name, res in results.items():
@@ -198,7 +207,13 @@ def main() -> None:
             speedup = r["tok_s"] / base["tok_s"] if base else float("nan")
             rows.append({"config": name, "batch": int(b[1:]), **r, "a": a, "speedup": speedup, "bound": bound})
             print(f"{name:14} {b[1:]:>5} {r['tok_s']:8.1f} {r['tau']:6.2f} {a:6.3f} {speedup:8.2f} {bound:6.2f}")
-    print(json.dumps({"k": args.k, "tokens": args.tokens, "dtype": args.dtype, "c": c, "rows": rows}))
+    print(json.dumps({"k": args.k, "tokens": args.tokens, "dtype": args.dtype, "c": c, "c_tree": c_tree,
+                      "rows": rows}))
+
+
+def head_config(head: str):
+    from shared.engine.eagle import CONFIG_FILE, EagleConfig
+    return EagleConfig(**json.loads((Path(head) / CONFIG_FILE).read_text()))
 
 
 if __name__ == "__main__":

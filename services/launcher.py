@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
-from shared.engine.config import DTYPE_HELP, check_dtype, check_draft_confidence
+from shared.engine.config import DTYPE_HELP, check_dtype, check_draft_confidence, check_tree_shape
 
 
 @dataclass(slots=True)
@@ -43,6 +43,10 @@ class ServeConfig:
     draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
                                                   "probability of its draft path falls below this (0 = always K "
                                                   "drafts; default: the head's own, from eagle.json)")
+    draft_tree_nodes: int | None = option(None, "eagle heads: greedy requests draft trees (several candidates "
+                                                "per depth, up to K depths, verified in one pass) of this many "
+                                                "nodes per step, shared by the step's greedy sequences; 0 = chains "
+                                                "of K (default: the head's own, from eagle.json)")
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")
@@ -62,6 +66,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
+        check_tree_shape(self.draft_tree_nodes)
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
         if self.expert_shards < 0:
@@ -192,6 +197,8 @@ def main(args: argparse.Namespace) -> None:
         spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
                 "--adaptive-speculation", str(cfg.adaptive_speculation).lower()]
         confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
+        if cfg.draft_tree_nodes is not None:
+            confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]
         if cfg.speculative:
             spec += ["--speculative", cfg.speculative, *confidence]
         if cfg.draft:

@@ -289,7 +289,7 @@ def acceptance(model: str | None, head_dir: str, prompts: list[list[int]], max_t
     def counting(seqs, ks):
         nonlocal verifications
         out = propose(seqs, ks)
-        verifications += sum(1 for t, _ in out if t)
+        verifications += sum(1 for p in out if p.tokens)
         return out
     eng.proposer.propose = counting
     spec = eng.generate(prompts, params)

@@ -21,8 +21,8 @@ def deltas_from_pb(req: target_pb2.ProposeRequest) -> list[SeqDelta]:
 
 def proposals_to_pb(proposals: list[Proposal], wants_hidden: bool) -> target_pb2.ProposeResponse:
     out = target_pb2.ProposeResponse(wants_hidden=wants_hidden)
-    for tokens, probs in proposals:
-        p = out.proposals.add(tokens=tokens)
+    for tokens, probs, parents in proposals:
+        p = out.proposals.add(tokens=tokens, parents=parents or [])
         if probs is not None and tokens:
             arr = probs.float().contiguous().numpy().astype("<f4", copy=False)
             p.probs, p.vocab = arr.tobytes(), arr.shape[-1]

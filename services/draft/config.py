@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import DTYPE_HELP, check_dtype, check_draft_confidence
+from shared.engine.config import DTYPE_HELP, check_dtype, check_draft_confidence, check_tree_shape
 
 
 @dataclass(slots=True)
@@ -20,6 +20,10 @@ class DraftConfig:
     draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
                                                   "probability of its draft path falls below this (0 = always K "
                                                   "drafts; default: the head's own, from eagle.json)")
+    draft_tree_nodes: int | None = option(None, "eagle heads: greedy requests draft trees (several candidates "
+                                                "per depth, up to K depths, verified in one pass) of this many "
+                                                "nodes per step, shared by the step's greedy sequences; 0 = chains "
+                                                "of K (default: the head's own, from eagle.json)")
     block_size: int = option(16, "tokens per KV block of the draft model")
     kv_blocks: int = option(2048, "KV blocks of the draft model")
     max_model_len: int = option(8192, "longest sequence the draft model handles")
@@ -39,6 +43,7 @@ class DraftConfig:
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
+        check_tree_shape(self.draft_tree_nodes)
         if self.targets is not None and not self.allowed_targets():
             raise ValueError("targets: give at least one host:port (or leave it unset)")
         if self.kv_blocks < 1 or self.block_size < 1:

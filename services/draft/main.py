@@ -36,7 +36,8 @@ async def serve(cfg: DraftConfig) -> None:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(serving_dtype(cfg.dtype, device), device)
     proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, dtype, device, cfg.max_model_len,
-                             target_path=cfg.model, draft_confidence=cfg.draft_confidence)
+                             target_path=cfg.model, draft_confidence=cfg.draft_confidence,
+                             draft_tree_nodes=cfg.draft_tree_nodes)
     links = TargetLinks(DraftState(proposer))
     service = Service("upesi.v1.Draft", DraftServicer(links, cfg.allowed_targets()),
                       draft_pb2_grpc.add_DraftServicer_to_server)

@@ -22,7 +22,7 @@ def propose(state: DraftState, deltas: list[SeqDelta], released: list[str]) -> l
     BATCH_SEQS.observe(len(deltas))
     with PROPOSE_SECONDS.time():
         proposals = state.propose(deltas, released)
-    PROPOSED_TOKENS.inc(sum(len(tokens) for tokens, _ in proposals))
+    PROPOSED_TOKENS.inc(sum(len(p.tokens) for p in proposals))
     RELEASED.inc(len(released))
     held(state)
     return proposals

@@ -17,6 +17,7 @@ from services.draft import metrics
 from services.draft.codec import deltas_from_pb, proposals_to_pb
 from services.draft.proposer_service import DraftState
 from shared import telemetry
+from shared.engine.proposers import NO_PROPOSAL
 from shared.rpc.channel import aio_channel, keepalive_options
 from shared.rpc.errors import PeerUnavailable, Relayed
 from upesi.v1 import target_pb2, target_pb2_grpc
@@ -88,7 +89,7 @@ class TargetLink:
         except Exception:
             log.exception("proposing for %d sequences of %s failed; answering with none", len(down.propose.seqs),
                           self.address)
-            proposals = [([], None)] * len(down.propose.seqs)
+            proposals = [NO_PROPOSAL] * len(down.propose.seqs)
         self.keys.difference_update(released)
         self.outbox.put_nowait(target_pb2.VerifyUp(step=down.step, proposals=proposals_to_pb(
             proposals, self.state.wants_hidden)))

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import (DTYPE_HELP, EngineConfig, check_draft_confidence, check_dtype, resolve_device,
-                                  serving_dtype)
+from shared.engine.config import (DTYPE_HELP, EngineConfig, check_draft_confidence, check_dtype, check_tree_shape,
+                                  resolve_device, serving_dtype)
 
 
 @dataclass(slots=True)
@@ -32,6 +32,10 @@ class TargetConfig:
     draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
                                                   "probability of its draft path falls below this (0 = always K "
                                                   "drafts; default: the head's own, from eagle.json)")
+    draft_tree_nodes: int | None = option(None, "eagle heads: greedy requests draft trees (several candidates "
+                                                "per depth, up to K depths, verified in one pass) of this many "
+                                                "nodes per step, shared by the step's greedy sequences; 0 = chains "
+                                                "of K (default: the head's own, from eagle.json)")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
     draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
                                          "Verify stream; past it those requests decode without drafts for 5 s")
@@ -59,6 +63,7 @@ class TargetConfig:
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
+        check_tree_shape(self.draft_tree_nodes)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:
@@ -82,5 +87,5 @@ class TargetConfig:
                             enable_prefix_caching=self.enable_prefix_caching, speculative=self.speculative,
                             num_speculative_tokens=self.num_speculative_tokens,
                             adaptive_speculation=self.adaptive_speculation,
-                            draft_confidence=self.draft_confidence,
+                            draft_confidence=self.draft_confidence, draft_tree_nodes=self.draft_tree_nodes,
                             nvfp4_act_quant=self.nvfp4_act_quant)

@@ -28,13 +28,15 @@ from services.draft.codec import hidden_to_pb, probs_from_pb
 from shared import telemetry
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.proposer_mux import ProposerMux
-from shared.engine.proposers import Proposal
+from shared.engine.proposers import NO_PROPOSAL, Proposal
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
+from shared.engine.tree import check_tree, depths
 from upesi.v1 import target_pb2
 
 log = logging.getLogger("upesi.target.verify")
 
+MAX_TREE_NODES = 64     # the most draft-tree nodes one sequence may send per step
 ORPHAN_S = 30.0          # how long the requests of a broken stream wait for a caller to attach
 
 
@@ -63,7 +65,7 @@ class StreamProposer:
     def start_propose(self, seqs: list[Sequence], ks: list[int]) -> Callable[[], list[Proposal]]:
         """Sends this step's verdicts and returns a function that waits for the draft's proposals: the engine's
         mux sends to every stream first and then waits, so that the drafts of several streams work at once."""
-        none: list[Proposal] = [([], None)] * len(seqs)
+        none: list[Proposal] = [NO_PROPOSAL] * len(seqs)
         if not self.alive or time.monotonic() < self.down_until:
             return lambda: none
         req = target_pb2.ProposeRequest()
@@ -87,7 +89,7 @@ class StreamProposer:
         return lambda: self._receive(seqs, ks, fut)
 
     def _receive(self, seqs: list[Sequence], ks: list[int], fut: concurrent.futures.Future) -> list[Proposal]:
-        none: list[Proposal] = [([], None)] * len(seqs)
+        none: list[Proposal] = [NO_PROPOSAL] * len(seqs)
         try:
             resp: target_pb2.ProposeResponse | None = fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -111,17 +113,29 @@ class StreamProposer:
     def _checked(self, prop: target_pb2.DraftProposal, k: int) -> Proposal:
         """A proposal as the engine may use it: at most k tokens in the vocab, q [len, V] if any; a malformed one
         (a misconfigured draft) is dropped, never allowed to fail the engine step."""
-        tokens = list(prop.tokens)[:k]
+        tokens = list(prop.tokens) if prop.parents else list(prop.tokens)[:k]
         v = self.vocab_size
         try:
             q = probs_from_pb(prop)
         except ValueError as e:
             log.warning("dropping a malformed proposal: %s", e)
-            return [], None
+            return NO_PROPOSAL
         if v is not None and (any(t >= v for t in tokens) or (q is not None and q.shape[-1] != v)):
             log.warning("dropping a proposal outside the target's vocab of %d", v)
-            return [], None
-        return tokens, (q[:len(tokens)] if q is not None else None)
+            return NO_PROPOSAL
+        if prop.parents:                              # a tree: k bounds its depth, MAX_TREE_NODES its size
+            parents = list(prop.parents)
+            try:
+                check_tree(parents, len(tokens))
+            except ValueError as e:
+                log.warning("dropping a malformed draft tree: %s", e)
+                return NO_PROPOSAL
+            if len(tokens) > MAX_TREE_NODES or max(depths(parents)) > k:
+                log.warning("dropping a draft tree of %d nodes and depth %d (at most %d nodes, depth %d)",
+                            len(tokens), max(depths(parents)), MAX_TREE_NODES, k)
+                return NO_PROPOSAL
+            return Proposal(tokens, None, parents)
+        return Proposal(tokens, q[:len(tokens)] if q is not None else None)
 
     def answer(self, step: int, resp: target_pb2.ProposeResponse) -> None:
         """The draft's proposals for `step` (on the event loop)."""

@@ -24,6 +24,7 @@ class EngineConfig:
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
     adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
     draft_confidence: float | None = None  # eagle: stop drafting below this path probability (None = the head's)
+    draft_tree_nodes: int | None = None   # eagle: draft-tree nodes per step for greedy rows (None = the head's, 0 = chains)
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 
@@ -32,6 +33,8 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        check_draft_confidence(self.draft_confidence)
+        check_tree_shape(self.draft_tree_nodes)
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
@@ -69,6 +72,14 @@ def check_draft_confidence(value: float | None) -> None:
     """The one check of a draft_confidence setting (target, draft and serve configs)."""
     if value is not None and not 0.0 <= value < 1.0:
         raise ValueError(f"draft_confidence must be in [0, 1), got {value}")
+
+
+def check_tree_shape(nodes: int | None, width: int = 4) -> None:
+    """The one check of draft-tree settings: nodes >= 0 (0 = chains), width >= 1."""
+    if nodes is not None and nodes < 0:
+        raise ValueError(f"draft_tree_nodes must be >= 0 (0 = chains), got {nodes}")
+    if width < 1:
+        raise ValueError(f"tree_width must be >= 1, got {width}")
 
 
 def serving_dtype(name: str, device: torch.device) -> str:

@@ -43,6 +43,8 @@ class EagleConfig:
     max_position: int = 8192
     post_norm: bool = False         # features after the target's final norm (EAGLE-1); False: before it
     draft_confidence: float = 0.0   # serving default: stop a draft once its path probability falls below this
+    tree_nodes: int = 0             # serving default: draft-tree nodes per step, shared by greedy sequences (0: chains)
+    tree_width: int = 4             # candidates kept per depth of a tree
 
 
 class EagleHead(nn.Module):

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from shared.engine.config import check_draft_confidence
+from shared.engine.config import check_draft_confidence, check_tree_shape
 from shared.engine.eagle import EagleHead, causal_mask
-from shared.engine.proposers import Proposal
+from shared.engine.eagle_tree import draft_trees
+from shared.engine.proposers import NO_PROPOSAL, Proposal
 from shared.engine.sampler import probs_from_logits
 from shared.engine.sequence import Sequence
 
@@ -44,10 +45,14 @@ class HeadState:
 class EagleProposer:
     wants_hidden = True
 
-    def __init__(self, head: EagleHead, min_confidence: float = 0.0) -> None:
+    def __init__(self, head: EagleHead, min_confidence: float = 0.0, tree_nodes: int = 0, tree_width: int = 4
+                 ) -> None:
         check_draft_confidence(min_confidence)
+        check_tree_shape(tree_nodes, tree_width)
         self.head = head
         self.min_confidence = min_confidence          # 0 = always draft the K tokens asked for
+        self.tree_nodes, self.tree_width = tree_nodes, tree_width    # greedy sequences get trees (0 = chains):
+        # tree_nodes per step, split among the greedy sequences of the batch
         self.states: dict[int, HeadState] = {}
 
     # ---------------------------------------------------------------- features in
@@ -69,7 +74,7 @@ class EagleProposer:
     # ---------------------------------------------------------------- proposals out
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        out: list[Proposal] = [([], None)] * len(seqs)
+        out: list[Proposal] = [NO_PROPOSAL] * len(seqs)
         # A sequence can be drafted for when the head has features up to its second-to-last token.
         live = [i for i, s in enumerate(seqs) if (st := self.states.get(s.seq_id)) is not None and len(st.feats)
                 and st.next_feature_pos == len(s) - 1 and ks[i] > 0]
@@ -87,14 +92,25 @@ class EagleProposer:
         for st, f in zip(states, feats):
             st.real += len(f)
             st.feats = f[:0]
-        # 2) up to K draft steps; step j > 0 feeds back the predicted feature and drafted token. A row stops early
-        # once the head's own probability of its draft path (the product of its tokens' probabilities) would fall
-        # below min_confidence: the head is well calibrated, so unlikely drafts are not worth their step.
+        # 2) greedy sequences: draft trees of up to K depths (shared.engine.eagle_tree) sharing tree_nodes nodes
+        # per step, since the target verifies every node of the batch in one pass: a sequence alone gets them all,
+        # a batch of 8 one each (its head's first choice).
+        trees = [r for r, i in enumerate(live) if self.tree_nodes and seqs[i].params.greedy]
+        if trees:
+            nodes = max(1, self.tree_nodes // len(trees))
+            for r, prop in zip(trees, draft_trees(self.head, [states[r] for r in trees], last[trees],
+                                                  [min(ks[live[r]], nodes) for r in trees],
+                                                  min(self.tree_width, nodes), nodes)):
+                out[live[r]] = prop
+        # 3) the others: up to K draft steps; step j > 0 feeds back the predicted feature and drafted token. A row
+        # stops early once the head's own probability of its draft path (the product of its tokens' probabilities)
+        # would fall below min_confidence: the head is well calibrated, so unlikely drafts are not worth their step.
         tokens: list[list[int]] = [[] for _ in live]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
         path = [1.0] * len(live)
-        rows = list(range(len(live)))                                # rows still drafting
-        for step in range(max(ks[i] for i in live)):
+        rows = [r for r in range(len(live)) if r not in trees]       # rows still drafting
+        last = last[rows]
+        for step in range(max(ks[i] for i in live) if rows else 0):
             logits = self.head.logits(last)                          # [R, N]
             drafted = self._choose(logits, [seqs[live[b]] for b in rows], [states[b] for b in rows])
             if self.min_confidence:
@@ -118,7 +134,8 @@ class EagleProposer:
             npos = [torch.tensor([st.origin + len(st.k)]) for st in sub]
             last = self._run(sub, [last[r][None] for r in go], nxt, npos)
         for b, i in enumerate(live):
-            out[i] = (tokens[b], torch.stack(probs[b]) if probs[b] else None)
+            if b not in trees:
+                out[i] = Proposal(tokens[b], torch.stack(probs[b]) if probs[b] else None)
         return out
 
     def _run(self, states: list[HeadState], feats: list[torch.Tensor], toks: list[torch.Tensor],
@@ -179,10 +196,12 @@ class EagleProposer:
 
 
 def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torch.nn.Module | None,
-               target_path: str | None, min_confidence: float | None = None) -> EagleProposer:
+               target_path: str | None, min_confidence: float | None = None, tree_nodes: int | None = None
+               ) -> EagleProposer:
     """The head at `path`, with the embedding, final norm and LM head of `target` (in-process) or of the checkpoint
     at `target_path` (a draft service; None = the default model); drafts stop below `min_confidence` (None = the
-    head's own draft_confidence)."""
+    head's own draft_confidence); greedy sequences get trees of up to `tree_nodes` (None = the head's tree_nodes,
+    0 = chains)."""
     from shared.engine.eagle import load_target_parts
 
     head = EagleHead.load(path, dtype, device)
@@ -193,4 +212,5 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
     if head.embed.shape[0] != head.cfg.vocab_size:
         raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
                          f"{head.embed.shape[0]}")
-    return EagleProposer(head, head.cfg.draft_confidence if min_confidence is None else min_confidence)
+    return EagleProposer(head, head.cfg.draft_confidence if min_confidence is None else min_confidence,
+                         head.cfg.tree_nodes if tree_nodes is None else tree_nodes, head.cfg.tree_width)

@@ -20,6 +20,7 @@ from shared.engine.sampler import probs_from_logits, sample
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
+from shared.engine.tree import compaction, depths, is_chain, walk_greedy
 from shared.kv.block_manager import BlockManager
 from shared.kv.hashing import cache_extra
 from shared.model.loader import load_config, resolve_model_path
@@ -60,12 +61,14 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         self.proposer = make_proposer(cfg.speculative, cfg.draft_kv_blocks, cfg.block_size, dtype, device,
                                       self.max_model_len, target=model,
-                                      draft_confidence=cfg.draft_confidence) if cfg.speculative else None
+                                      draft_confidence=cfg.draft_confidence,
+                                      draft_tree_nodes=cfg.draft_tree_nodes) if cfg.speculative else None
         self.requests: dict[str, list[Sequence]] = {}
         self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
         self.beam_groups: dict[str, BeamGroup] = {}              # request id -> its beam search
         self.stats_draft = self.stats_accepted = 0               # speculative tokens proposed / accepted
         self.trace_parents: dict[str, object] = {}               # request id -> trace context, set by the caller
+        self.tree_paths: dict[int, list[int]] = {}               # seq_id -> this step's accepted tree nodes
         self._step_ns = 0                                        # tracing: when this step began
         self.last_step_s = 0.0
 
@@ -171,6 +174,7 @@ class LLMEngine:
             deltas.append(self._delta(seq, [tok]))
         if hidden_from is not None:
             self._hand_hidden(batch, hidden_from)
+        self.tree_paths.clear()
         for rid in {d.request_id for d in deltas if d.finish_reason}:
             self._forget_finished(rid)
         self.last_step_s = time.perf_counter() - t0
@@ -245,33 +249,45 @@ class LLMEngine:
             return
         with telemetry.span_in("propose", telemetry.traced_contexts(seqs), {"upesi.seqs": len(seqs)}):
             proposals = self.proposer.propose(seqs, ks)
-        for seq, (tokens, probs) in zip(seqs, proposals):
+        for seq, (tokens, probs, parents) in zip(seqs, proposals):
+            if is_chain(parents):
+                parents = None
+            elif not seq.params.greedy:
+                continue                      # trees are verified greedily only: a sampled sequence decodes plainly
             if tokens:
                 seq.token_ids.extend(tokens)
-                seq.spec_tokens, seq.spec_probs = list(tokens), probs
+                seq.spec_tokens, seq.spec_probs, seq.spec_parents = list(tokens), probs, parents
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Delta:
         """logits [K + 1, V] of a sequence that carried K draft tokens: accept, roll back, emit."""
-        draft, q = seq.spec_tokens, seq.spec_probs
+        draft, q, parents = seq.spec_tokens, seq.spec_probs, seq.spec_parents
         p = seq.params
-        if p.greedy:
+        base = len(seq) - len(draft)                  # tokens before the drafts
+        depth = len(draft)
+        if parents is not None:                       # a tree: accept a path, move its KV next to the root
+            path, tok = walk_greedy(logits, draft, parents)
+            self.runner.move_kv(seq.block_table, [(base - 1 + a, base - 1 + b) for a, b in compaction(path)])
+            self.tree_paths[seq.seq_id] = path
+            n, depth = len(path), max(depths(parents))
+            draft = [draft[a] for a in path]
+        elif p.greedy:
             n, tok = verify_greedy(logits, draft)
         else:
             probs = probs_from_logits(logits, torch.full((len(logits),), p.temperature),
                                       torch.full((len(logits),), p.top_k), torch.full((len(logits),), p.top_p))
             n, tok = verify_sampled(probs, q, draft, seq.generator)
-        base = len(seq) - len(draft)                  # tokens before the drafts
+        num_draft = len(seq.spec_tokens)
         del seq.token_ids[base:]
-        seq.spec_tokens, seq.spec_probs = [], None
-        seq.num_draft_tokens += len(draft)
+        seq.spec_tokens, seq.spec_probs, seq.spec_parents = [], None, None
+        seq.num_draft_tokens += num_draft
         seq.num_accepted_tokens += n
         if seq.trace_ctx is not None and telemetry.ENABLED:
             telemetry.span_between("verify", seq.trace_ctx, self._step_ns,
-                                   {"upesi.draft_tokens": len(draft), "upesi.accepted_tokens": n})
-        self.stats_draft += len(draft)
+                                   {"upesi.draft_tokens": num_draft, "upesi.accepted_tokens": n})
+        self.stats_draft += num_draft
         self.stats_accepted += n
-        if self.cfg.adaptive_speculation:                                                   # adaptive K
-            seq.spec_k = seq.spec_k + 1 if n == len(draft) else max(1, seq.spec_k - (n == 0))
+        if self.cfg.adaptive_speculation:                                # adaptive K (a tree's K is its depth)
+            seq.spec_k = seq.spec_k + 1 if n == depth else max(1, seq.spec_k - (n == 0))
         emitted = []
         for t in draft[:n] + [tok]:
             seq.token_ids.append(t)
@@ -299,8 +315,12 @@ class LLMEngine:
         hidden, row = self.runner.last_hidden, 0                       # [T, D]
         for seq, n, start in zip(batch.seqs, batch.num_tokens, starts):
             keep = min(n, seq.num_computed_tokens - start)
+            path = self.tree_paths.pop(seq.seq_id, None)
             if keep > 0 and not seq.is_finished and seq.request_id not in self.beam_groups:
-                self.proposer.accept_hidden(seq, start, hidden[row:row + keep])
+                rows = hidden[row:row + keep]
+                if path is not None:                                   # a tree: the root, then the accepted path
+                    rows = hidden[row:row + n][torch.tensor([0] + [1 + a for a in path][:keep - 1])]
+                self.proposer.accept_hidden(seq, start, rows)
             row += n
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from shared.engine.scheduler import ScheduledBatch
+from shared.engine.tree import ancestor_mask, depths
 from shared.model.config import ModelConfig
 from shared.ops.paged_attention import AttentionMetadata
 
@@ -65,10 +66,16 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[tuple[int, int, int]] = []
+        trees: dict[int, torch.Tensor] = {}
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c = seq.num_computed_tokens
             ids.extend(seq.token_ids[c:c + n])
-            pos.extend(range(c, c + n))
+            if seq.spec_parents is not None:         # a draft tree: the root at c, node i at c + its depth
+                pos.append(c)
+                pos.extend(c + d for d in depths(seq.spec_parents))
+                trees[b] = ancestor_mask(seq.spec_parents, self.device)              # [n, n]
+            else:
+                pos.extend(range(c, c + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             starts.append(starts[-1] + n)
@@ -89,6 +96,7 @@ class ModelRunner:
             query_lens=list(batch.num_tokens),
             seq_lens_host=seq_lens,
             max_query_len=max(batch.num_tokens),
+            tree_masks=trees,
         )
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                 meta, sample_rows, sample_seqs)
@@ -103,6 +111,20 @@ class ModelRunner:
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
+
+    @torch.inference_mode()
+    def move_kv(self, table: list[int], moves: list[tuple[int, int]]) -> None:
+        """Moves KV between token indices of one sequence (its block table), every layer: (from, to) pairs, all
+        read before any is written (a draft tree's accepted path closing up, shared.engine.tree.compaction)."""
+        if not moves:
+            return
+        bs = self.block_size
+        src = torch.tensor([table[f // bs] * bs + f % bs for f, _ in moves], device=self.device)
+        dst = torch.tensor([table[t // bs] * bs + t % bs for _, t in moves], device=self.device)
+        for k, v in self.kv_caches:
+            for cache in (k, v) if v is not k else (k,):
+                flat = cache.view(-1, *cache.shape[2:])                               # [NB * BS, KVH, Dh]
+                flat[dst] = flat[src]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:

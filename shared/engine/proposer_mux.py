@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.engine.proposers import Proposal, Proposer
+from shared.engine.proposers import NO_PROPOSAL, Proposal, Proposer
 from shared.engine.sequence import Sequence
 
 
@@ -48,7 +48,7 @@ class ProposerMux:
         return ([self.local] if self.local is not None else []) + list(self.streams.values())
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        out: list[Proposal] = [([], None)] * len(seqs)
+        out: list[Proposal] = [NO_PROPOSAL] * len(seqs)
         groups: dict[int, tuple[Proposer, list[int]]] = {}
         for i, s in enumerate(seqs):
             p = self._of(s)

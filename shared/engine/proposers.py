@@ -12,14 +12,24 @@ Shapes: K = draft tokens, V = vocab.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from shared.engine.sampler import probs_from_logits
 from shared.engine.sequence import Sequence
 
-Proposal = tuple[list[int], torch.Tensor | None]          # tokens, q [K, V] or None for point masses
+
+
+class Proposal(NamedTuple):
+    """K draft tokens for one sequence. A chain unless `parents` is given: then a draft tree (shared.engine.tree),
+    parents[i] = the index of token i's parent, -1 for the sequence's last real token; trees are greedy-only."""
+    tokens: list[int]
+    probs: torch.Tensor | None = None          # q [K, V], None for point masses
+    parents: list[int] | None = None
+
+
+NO_PROPOSAL = Proposal([])
 
 
 class Proposer(Protocol):
@@ -35,7 +45,7 @@ class NgramProposer:
         self.max_n = max_n
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        return [(self._lookup(s.token_ids, k), None) for s, k in zip(seqs, ks)]
+        return [Proposal(self._lookup(s.token_ids, k)) for s, k in zip(seqs, ks)]
 
     def _lookup(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
@@ -120,7 +130,7 @@ class DraftModelProposer:
                 m.token_ids.append(tok)
                 tokens[i].append(tok)
                 probs[i].append(q)
-        return [(t, torch.stack(q) if q else None) for t, q in zip(tokens, probs)]
+        return [Proposal(t, torch.stack(q) if q else None) for t, q in zip(tokens, probs)]
 
     def release(self, seq_id: int) -> None:
         m = self.mirrors.pop(seq_id, None)
@@ -131,17 +141,19 @@ class DraftModelProposer:
 
 def make_proposer(spec: str, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                   max_len: int, target: torch.nn.Module | None = None, target_path: str | None = None,
-                  draft_confidence: float | None = None) -> Proposer:
+                  draft_confidence: float | None = None, draft_tree_nodes: int | None = None) -> Proposer:
     """`ngram`, `draft-model:PATH` or `eagle:PATH`. An eagle head takes the target's embedding, final norm and LM
     head from `target` (in-process) or else from the checkpoint at `target_path` (None = the default model), and
-    stops a draft below `draft_confidence` (None = the head's own setting)."""
+    stops a draft below `draft_confidence` and drafts trees of `draft_tree_nodes` for greedy sequences (None = the
+    head's own settings)."""
     from shared.engine.eagle_proposer import make_eagle
 
     kind, _, arg = spec.partition(":")
     factories: dict[str, Callable[[], Proposer]] = {
         "ngram": lambda: NgramProposer(),
         "draft-model": lambda: DraftModelProposer(arg, num_blocks, block_size, dtype, device, max_len),
-        "eagle": lambda: make_eagle(arg, dtype, device, target, target_path, draft_confidence),
+        "eagle": lambda: make_eagle(arg, dtype, device, target, target_path, draft_confidence,
+                                   draft_tree_nodes),
     }
     if kind not in factories or (kind != "ngram" and not arg):
         raise ValueError(f"unknown speculative proposer {spec!r}; use 'ngram', 'draft-model:PATH' or 'eagle:PATH'")

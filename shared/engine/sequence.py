@@ -23,8 +23,8 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
-                 "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_k",
-                 "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns")
+                 "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_parents",
+                 "spec_k", "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -43,6 +43,7 @@ class Sequence:
         self.cache_extra = cache_extra           # model + cache salt, part of every block hash
         self.spec_tokens: list[int] = []         # draft tokens appended provisionally, verified next step
         self.spec_probs = None                   # their draft probabilities q [K, V], None for point masses
+        self.spec_parents: list[int] | None = None   # a draft tree's parent indices (shared.engine.tree); None: chain
         self.spec_k = 0                          # adaptive number of tokens to propose (0 = not decided yet)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -68,7 +69,7 @@ class Sequence:
         if self.spec_tokens:
             del self.token_ids[len(self.token_ids) - len(self.spec_tokens):]
             self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids) - 1)
-            self.spec_tokens, self.spec_probs = [], None
+            self.spec_tokens, self.spec_probs, self.spec_parents = [], None, None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -9,11 +9,12 @@ i to a physical block id; token position p of the sequence lives in slot block_t
 Token order in a step: the sequences with exactly one new token (decodes) come first, one row each, then
 the sequences with several new tokens (prefill chunks, later speculative verification), contiguous.
 New token j of sequence b sits at position seq_lens[b] - query_lens[b] + j and attends causally to every
-cached position up to and including its own.
+cached position up to and including its own; a draft tree being verified attends as its mask says instead
+(meta.tree_masks, shared.engine.tree).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,10 @@ class AttentionMetadata:
     query_lens: list[int]             # host copies, used to split the work on CPU
     seq_lens_host: list[int]
     max_query_len: int
+    # Draft trees being verified (shared.engine.tree): sequence index -> [Q, Q] bool mask among its new tokens
+    # (row j may attend to new token i); those rows attend to the whole cached context and to the masked new tokens
+    # instead of causally. Empty for plain steps.
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -61,13 +66,18 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
 
 
 def _extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-            seq_len: int, scale: float) -> torch.Tensor:
-    """Several new tokens of one sequence: q [Q, H, Dh] -> [Q, H, Dh], causal among themselves."""
+            seq_len: int, scale: float, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """Several new tokens of one sequence: q [Q, H, Dh] -> [Q, H, Dh], causal among themselves, or as the tree
+    mask [Q, Q] says."""
     nq = q.shape[0]
     k = _gather(k_cache, block_table[None], seq_len)         # [1, KVH, L, Dh]
     v = _gather(v_cache, block_table[None], seq_len)
     qh = q.transpose(0, 1)[None].to(k.dtype)                 # [1, H, Q, Dh]
-    if nq == seq_len:
+    if tree is not None:
+        mask = torch.ones(nq, seq_len, dtype=torch.bool, device=q.device)           # [Q, L]
+        mask[:, seq_len - nq:] = tree
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    elif nq == seq_len:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]       # [Q, 1]
@@ -93,6 +103,11 @@ def _short_extends(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     qpos = seq_lens[:, None] - qlen_t[:, None] + torch.arange(qmax, device=q.device)[None, :]   # [B, Q]
     kpos = torch.arange(lmax, device=q.device)
     mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < seq_lens[:, None, None])
+    for i, b in enumerate(seqs):                                                           # draft trees
+        tree = meta.tree_masks.get(b)
+        if tree is not None:
+            n, end = qlens[i], meta.seq_lens_host[b]
+            mask[i, :n, end - n:end] = tree
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
     valid = (torch.arange(qmax, device=q.device)[None, :] < qlen_t[:, None]).flatten()     # [B * Q]
     return out.transpose(1, 2).reshape(-1, *q.shape[1:])[valid], row_idx[valid]
@@ -118,7 +133,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             short.append(b)
         else:
             out[start:start + n] = _extend(q[start:start + n], k_cache, v_cache, meta.block_tables[b],
-                                           meta.seq_lens_host[b], scale)
+                                           meta.seq_lens_host[b], scale, meta.tree_masks.get(b))
         start += n
     if len(short) > 1:
         rows_out, rows = _short_extends(q, k_cache, v_cache, meta, short, starts, scale)
@@ -127,5 +142,5 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         b = short[0]
         n = meta.query_lens[b]
         out[starts[b]:starts[b] + n] = _extend(q[starts[b]:starts[b] + n], k_cache, v_cache, meta.block_tables[b],
-                                               meta.seq_lens_host[b], scale)
+                                               meta.seq_lens_host[b], scale, meta.tree_masks.get(b))
     return out.to(q.dtype)

@@ -1,6 +1,7 @@
 """An EAGLE head in a draft service: the draft drives a Verify stream to a real target process, which sends the
-hidden states of accepted positions with each verdict (raw float32 bytes over real gRPC); the drafts, acceptances
-and tokens are exactly those of the same head inside the target's engine."""
+hidden states of accepted positions with each verdict (raw float32 bytes over real gRPC); the drafts (chains, or
+draft trees with their parent indices), acceptances and tokens are exactly those of the same head inside the
+target's engine."""
 from __future__ import annotations
 
 import signal
@@ -35,9 +36,10 @@ def tiny_with_head(tmp_path_factory):
     return str(path), str(path / "eagle")
 
 
-def in_process(tiny: str, head: str | None) -> list[tuple[list[int], int, int]]:
+def in_process(tiny: str, head: str | None, tree: int = 0) -> list[tuple[list[int], int, int]]:
     """Per prompt, one at a time: (tokens, drafted, accepted)."""
-    kw = dict(model=tiny, progress=False, num_kv_blocks=128, block_size=4, num_speculative_tokens=K)
+    kw = dict(model=tiny, progress=False, num_kv_blocks=128, block_size=4, num_speculative_tokens=K,
+              draft_tree_nodes=tree)
     eng = LLMEngine(EngineConfig(speculative=f"eagle:{head}" if head else None, **kw))
     out = []
     for p in PROMPTS:
@@ -47,14 +49,15 @@ def in_process(tiny: str, head: str | None) -> list[tuple[list[int], int, int]]:
     return out
 
 
-def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp_path):
+@pytest.mark.parametrize("tree", [0, 5])              # chains, and draft trees of 5 nodes
+def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp_path, tree):
     tiny, head = tiny_with_head
     plain = [t for t, _, _ in in_process(tiny, None)]
-    local = in_process(tiny, head)
+    local = in_process(tiny, head, tree)
     draft, target = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     log = open(tmp_path / "services.log", "w")
-    procs = [spawn(["draft", "--address", draft, "--proposer", f"eagle:{head}", "--model", tiny, "--device", "cpu"],
-                   log),
+    procs = [spawn(["draft", "--address", draft, "--proposer", f"eagle:{head}", "--model", tiny, "--device", "cpu",
+                    "--draft-tree-nodes", str(tree)], log),
              spawn(["target", "--address", target, "--model", tiny, "--device", "cpu", "--num-kv-blocks", "128",
                     "--block-size", "4", "--num-speculative-tokens", str(K), "--metrics-port", "0",
                     "--progress", "false"], log)]

@@ -40,18 +40,19 @@ def greedy_ref(tiny):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("proposer", ["ngram", "draft-model", "eagle"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft-model", "eagle", "eagle-tree"])
 def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, greedy_ref, proposer, k):
-    spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}", "eagle": f"eagle:{tiny_eagle}"}[proposer]
+    spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}", "eagle": f"eagle:{tiny_eagle}",
+            "eagle-tree": f"eagle:{tiny_eagle}"}[proposer]
     eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
-                                 num_speculative_tokens=k))
+                                 num_speculative_tokens=k, draft_tree_nodes=6 if proposer == "eagle-tree" else 0))
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == greedy_ref                 # batch 8
     assert eng.generate(PROMPTS[:1], params)[0][0] == greedy_ref[0]                    # batch 1
     assert eng.block_manager.num_used_blocks == 0
     if proposer == "draft-model":
         assert eng.proposer.blocks.num_used_blocks == 0 and not eng.proposer.mirrors
-    if proposer == "eagle":
+    if proposer.startswith("eagle"):
         assert eng.stats_draft > 0 and not eng.proposer.states          # it drafted, and every state was freed
 
 

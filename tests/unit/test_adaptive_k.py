@@ -7,6 +7,7 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.proposers import Proposal
 from shared.engine.sampling_params import SamplingParams
 from tests.parity.test_tiny_llama import save_tiny
 
@@ -26,7 +27,7 @@ class Scripted:
             self.asked.append(k)
             done = s.num_output_tokens
             truth = self.greedy[done:done + k]
-            out.append((truth if self.right else [(t + 1) % self.vocab for t in truth], None))
+            out.append(Proposal(truth if self.right else [(t + 1) % self.vocab for t in truth]))
         return out
 
     def release(self, seq_id: int) -> None:

@@ -48,7 +48,7 @@ def test_sampled_q_is_the_reduced_distribution_scattered_into_the_full_vocab():
     tokens = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(1)).tolist()
     seq = Sequence("r", 0, tokens, SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=50))
     prop.accept_hidden(seq, 0, torch.randn(8, D))
-    drafted, q = prop.propose([seq], [3])[0]
+    drafted, q, _ = prop.propose([seq], [3])[0]
     assert len(drafted) == 3 and q.shape == (3, V)
     outside = torch.ones(V, dtype=torch.bool)
     outside[head.id_map] = False
@@ -72,18 +72,18 @@ def test_incremental_kv_with_rollback_equals_a_dense_pass():
 
     seq = Sequence("r", 0, tokens[:8], greedy)
     prop.accept_hidden(seq, 0, feats[:7])                                   # a prefill of 7 positions
-    drafted, q = prop.propose([seq], [4])[0]
+    drafted, q, _ = prop.propose([seq], [4])[0]
     assert q is None and len(drafted) == 4 and drafted[0] == first_draft(8)
     st = prop.states[seq.seq_id]
     assert st.real == 7 and len(st.k) == 7 + 3                             # 3 draft positions on top
     seq.token_ids = tokens[:11]                                             # the target accepted 2, emitted 1
     prop.accept_hidden(seq, 7, feats[7:10])
-    drafted, _ = prop.propose([seq], [2])[0]
+    drafted = prop.propose([seq], [2])[0].tokens
     assert drafted[0] == first_draft(11)
     assert torch.allclose(st.k[:10], k_ref[:10], atol=1e-5)                 # draft KV rolled back, redone for real
     seq.token_ids = tokens[:15]                                             # preempted and recomputed from 4
     prop.accept_hidden(seq, 4, feats[4:14])
-    drafted, _ = prop.propose([seq], [1])[0]
+    drafted = prop.propose([seq], [1])[0].tokens
     assert st is not prop.states.get(seq.seq_id) or st.real == 14
     assert drafted == [first_draft(15)]
     assert torch.allclose(prop.states[seq.seq_id].k[:14], k_ref[:14], atol=1e-5)
@@ -103,7 +103,7 @@ def test_batched_proposals_equal_one_sequence_at_a_time():
     for s, f in zip(seqs, feats):
         batched.accept_hidden(s, 0, f)
     together = batched.propose(seqs, [3, 1, 4])
-    for s, f, (toks, _), k in zip(seqs, feats, together, [3, 1, 4]):
+    for s, f, (toks, _, _), k in zip(seqs, feats, together, [3, 1, 4]):
         alone = EagleProposer(head)
         alone.accept_hidden(s, 0, f)
         assert alone.propose([s], [k])[0][0] == toks and len(toks) == k
@@ -173,7 +173,7 @@ def test_a_draft_stops_where_its_path_probability_falls_below_the_confidence(the
     prop = EagleProposer(head, min_confidence=theta)
     for s, f in zip(seqs, feats):
         prop.accept_hidden(s, 0, f)
-    got = [t for t, _ in prop.propose(seqs, [5] * len(seqs))]
+    got = [p.tokens for p in prop.propose(seqs, [5] * len(seqs))]
     assert got == want
     if theta == 0.0:
         assert all(len(t) == 5 for t in got)
@@ -181,7 +181,7 @@ def test_a_draft_stops_where_its_path_probability_falls_below_the_confidence(the
         assert len({len(t) for t in got}) > 1
     sampled = Sequence("s", 0, seqs[1].token_ids, SamplingParams(temperature=0.8, seed=1, max_tokens=50))
     prop.accept_hidden(sampled, 0, feats[1])
-    toks, q = prop.propose([sampled], [5])[0]
+    toks, q, _ = prop.propose([sampled], [5])[0]
     assert 1 <= len(toks) <= 5 and q.shape == (len(toks), V)
 
 
@@ -303,3 +303,51 @@ def test_training_answers_pick_greedy_and_the_named_sampled_rounds(tmp_path):
         TrainDraftConfig(greedy_answers=False, sampled_answers=0)
     with pytest.raises(ValueError, match="first_sample_round"):
         TrainDraftConfig(first_sample_round=0)
+
+
+def _ref_next_logp(head: EagleHead, feats: torch.Tensor, tokens: list[int], path: list[int]) -> torch.Tensor:
+    """Reference without KV cache or tree masks: the head's log-distribution [N] of the token after the sequence's
+    last token and then `path` (full-vocab ids), each step a dense causal pass over everything before it."""
+    from shared.engine.eagle import causal_mask
+    n = len(tokens) - 1
+    f, t = feats[:n], list(tokens[1:])
+    with torch.inference_mode():
+        for j in range(len(path) + 1):
+            m = len(t)
+            out, _, _ = head(f[None], torch.tensor([t]), torch.arange(m)[None], None, causal_mask([0], [m], f.device))
+            if j == len(path):
+                return head.logits(out[0, -1]).log_softmax(-1)
+            f, t = torch.cat([f, out[0, -1:]]), t + [path[j]]
+
+
+@pytest.mark.parametrize("nodes,width,k", [(12, 3, 3), (24, 4, 4), (6, 2, 5), (2, 4, 3)])
+def test_draft_tree_nodes_are_the_heads_top_candidates_along_their_paths(nodes, width, k):
+    from shared.engine.tree import check_tree, depths
+    head = tiny_head(3)
+    g = torch.Generator().manual_seed(4)
+    seqs, feats = [], []
+    for length in (12, 7):                               # two sequences of different lengths in one batch
+        toks = torch.randint(0, V, (length,), generator=g).tolist()
+        seqs.append(Sequence("r", 0, toks, SamplingParams(temperature=0, max_tokens=50)))
+        feats.append(torch.randn(length, D, generator=g))
+    prop = EagleProposer(head, tree_nodes=nodes, tree_width=width)
+    for s, f in zip(seqs, feats):
+        prop.accept_hidden(s, 0, f[:len(s) - 1])
+    reduced = {int(t): j for j, t in enumerate(head.id_map)}
+    per = nodes // 2                                     # the step's nodes are shared by the two sequences
+    width, k = min(width, per), min(k, per)
+    for s, f, (tokens, q, parents) in zip(seqs, feats, prop.propose(seqs, [k, k])):
+        assert q is None and (parents is not None or per == 1)
+        parents = parents or [-1]
+        check_tree(parents, len(tokens))
+        assert len(tokens) == min(per, width * k) and max(depths(parents)) <= k
+        for i, (tok, par) in enumerate(zip(tokens, parents)):
+            path = []
+            while par >= 0:
+                path.insert(0, tokens[par])
+                par = parents[par]
+            top = _ref_next_logp(head, f, s.token_ids, path).topk(width).indices.tolist()
+            assert reduced[tok] in top                   # a child is among its parent's `width` best
+        first = int(head.id_map[_ref_next_logp(head, f, s.token_ids, []).argmax()])
+        assert first in [t for t, p in zip(tokens, parents) if p == -1]
+        assert len(prop.states[s.seq_id].k) == len(s) - 1          # nothing of the tree stays in the head's KV

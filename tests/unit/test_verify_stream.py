@@ -7,6 +7,7 @@ import asyncio
 import torch
 
 from services.target.verify import StreamProposer
+from shared.engine.proposers import NO_PROPOSAL, Proposal
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 from upesi.v1 import target_pb2
@@ -39,7 +40,7 @@ def test_verdicts_go_as_deltas_with_hidden_states_and_proposals_come_back():
         msg, out = await _exchange(p, outbox, [seq], [3], lambda m: _proposals([8, 9, 10]))
         (s,) = msg.propose.seqs
         assert (s.base, list(s.tokens), s.k, s.hidden_start, s.hidden_rows, s.hidden_dim) == (0, [5, 6, 7], 3, 0, 2, 4)
-        assert out == [([8, 9, 10], None)]
+        assert out == [Proposal([8, 9, 10])]
         seq.token_ids += [8, 11]                                     # 8 accepted, 11 the correction
         p.accept_hidden(seq, 2, torch.zeros(2, 4))
         msg, _ = await _exchange(p, outbox, [seq], [2], lambda m: _proposals([12, 13]))
@@ -64,9 +65,9 @@ def test_a_silent_draft_costs_one_timeout_then_steps_go_on_without_it():
         p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=0.2, retry_after_s=60)
         seq = _seq([1, 2, 3])
         msg, out = await _exchange(p, outbox, [seq], [2], lambda m: None)       # never answered
-        assert out == [([], None)] and p.sent == {}
+        assert out == [NO_PROPOSAL] and p.sent == {}
         out = await asyncio.get_running_loop().run_in_executor(None, p.propose, [seq], [2])
-        assert out == [([], None)] and outbox.empty()                            # no message while it is down
+        assert out == [NO_PROPOSAL] and outbox.empty()                            # no message while it is down
         p.release(seq.seq_id)                                                    # it may hold a mirror: release
         assert (await asyncio.wait_for(outbox.get(), 5)).propose.released == [str(seq.seq_id)]
     asyncio.run(main())
@@ -79,8 +80,8 @@ def test_a_closed_stream_ends_the_wait_at_once():
         seq = _seq([1, 2])
         loop = asyncio.get_running_loop()
         msg, out = await _exchange(p, outbox, [seq], [2], lambda m: loop.call_later(0.05, p.close) and None)
-        assert out == [([], None)] and not p.alive
-        assert await loop.run_in_executor(None, p.propose, [seq], [2]) == [([], None)]
+        assert out == [NO_PROPOSAL] and not p.alive
+        assert await loop.run_in_executor(None, p.propose, [seq], [2]) == [NO_PROPOSAL]
     asyncio.run(main())
 
 
@@ -94,7 +95,7 @@ def test_an_answer_for_another_step_is_ignored():
             p.answer(m.step + 7, _proposals([9]))                    # a late answer to some other step
             return None
         _, out = await _exchange(p, outbox, [seq], [1], stale)
-        assert out == [([], None)]
+        assert out == [NO_PROPOSAL]
     asyncio.run(main())
 
 
@@ -108,7 +109,7 @@ def test_malformed_proposals_are_dropped_not_allowed_to_fail_the_step():
         reply = target_pb2.ProposeResponse(proposals=[target_pb2.DraftProposal(tokens=[9, 10, 11, 12]),
                                                       target_pb2.DraftProposal(tokens=[60]), bad_q, wrong_v])
         _, out = await _exchange(p, outbox, [a, b, c, d], [2, 2, 2, 2], lambda m: reply)
-        assert out == [([9, 10], None), ([], None), ([], None), ([], None)]           # trimmed to k; the rest dropped
+        assert out == [Proposal([9, 10]), NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL]           # trimmed to k; the rest dropped
     asyncio.run(main())
 
 
@@ -131,5 +132,24 @@ def test_the_mux_sends_to_every_stream_before_waiting_on_any():
         msgs = [await asyncio.wait_for(box.get(), 2) for box in boxes]         # both sent before any answer
         for p, m, toks in zip(streams, msgs, ([7, 8], [9])):
             p.answer(m.step, _proposals(toks))
-        assert await task == [([7, 8], None), ([9], None)]
+        assert await task == [Proposal([7, 8]), Proposal([9])]
+    asyncio.run(main())
+
+
+def test_draft_trees_cross_the_stream_checked():
+    from services.draft.codec import proposals_to_pb
+
+    async def main():
+        outbox: asyncio.Queue = asyncio.Queue()
+        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=5, vocab_size=50)
+        seqs = [_seq([1, 2]) for _ in range(5)]
+        tree = Proposal([9, 10, 11, 12], None, [-1, -1, 0, 2])                # depth 3: kept whole at k = 3
+        reply = proposals_to_pb([tree,
+                                 Proposal([9, 10, 11], None, [-1, 1, 0]),     # a parent after its child
+                                 Proposal([9, 10, 11, 12], None, [-1, -1, 0, 2]),   # depth 3 > k = 2
+                                 Proposal([9, 60], None, [-1, -1]),           # outside the vocab
+                                 Proposal([3] * 65, None, [-1] * 65)], wants_hidden=False)   # too many nodes
+        assert list(reply.proposals[0].parents) == [-1, -1, 0, 2] and not reply.proposals[0].probs
+        _, out = await _exchange(p, outbox, seqs, [3, 3, 2, 3, 3], lambda m: reply)
+        assert out == [tree, NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL]
     asyncio.run(main())
