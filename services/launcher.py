@@ -26,6 +26,8 @@ class ServeConfig:
     kv_cache_gb: float = option(1.0, "target KV cache size in GiB")
     max_num_seqs: int = option(64, "target: most sequences in the running batch")
     num_threads: int | None = option(None, "target: torch CPU threads")
+    draft_num_threads: int | None = option(None, "draft service: torch CPU threads (default: every core; at batch 1 "
+                                                 "the draft and the target take turns, so each may use them all)")
     device: str = option("auto", "target device: cpu, cuda or auto")
     dtype: str = option("auto", "weights and activations of the targets, draft and expert shards: " + DTYPE_HELP)
     expert_shards: int = option(0, "expert shard processes (0 = FFNs run in the target); they listen on the ports "
@@ -67,6 +69,8 @@ class ServeConfig:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
+        if self.draft_num_threads is not None and self.draft_num_threads < 1:
+            raise ValueError(f"draft_num_threads must be at least 1, got {self.draft_num_threads}")
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
         if self.expert_shards < 0:
@@ -205,7 +209,8 @@ def main(args: argparse.Namespace) -> None:
             shards[len(procs)] = ("draft service", cfg.draft_address, [
                 "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
                 "--dtype", cfg.dtype, *confidence,
-                "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model, *threads])
+                "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model,
+                "--num-threads", str(cfg.draft_num_threads or os.cpu_count() or 1)])
             procs.append(_child(shards[len(procs)][2], env))
         for i, address in enumerate(cfg.target_addresses()):
             metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0

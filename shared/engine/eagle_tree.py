@@ -41,48 +41,73 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
     logp = head.logits(last).log_softmax(-1)                                     # [B, N]
     score, idx = logp.topk(width, dim=-1)                                        # [B, W]
     # Every candidate of every depth, per sequence: (score, depth, token index in the reduced vocab, parent).
-    pool: list[list[tuple[float, int, int, int]]] = [[] for _ in range(b)]
-    frontier = [[len(pool[i]) + j for j in range(width)] for i in range(b)]    # pool indices of the frontier
-    for i, (sc, ix) in enumerate(zip(score.tolist(), idx.tolist())):
-        pool[i] += [(s, 1, t, -1) for s, t in zip(sc, ix)]
-    slot_of: list[dict[int, int]] = [{} for _ in range(b)]                       # pool index -> processed KV slot
-    tree_k = tree_v = None                                                       # [B, M, KVH, Dh]
-    feats = last[:, None].expand(b, width, last.shape[-1])                       # [B, W, D]: each node's parent feature
-    origin = torch.tensor([st.origin + n for st, n in zip(states, real_lens)], device=dev)   # first draft position
-    for d in range(1, depth):
+    pool: list[list[tuple[float, int, int, int]]] = [[(s, 1, t, -1) for s, t in zip(sc, ix)]
+                                                     for sc, ix in zip(score.tolist(), idx.tolist())]
+    frontier = [_worth_expanding(pool[i], list(range(width)), max_nodes) if ks[i] > 1 else [] for i in range(b)]
+    parent_feat = [{-1: last[i]} for i in range(b)]                  # pool index -> its predicted feature [D]
+    slot_of: list[dict[int, int]] = [{} for _ in range(b)]           # pool index -> its slot in tree_k / tree_v
+    tree_k = tree_v = None                                           # [B, M, KVH, Dh]
+    origin = [st.origin + n for st, n in zip(states, real_lens)]     # the position of a depth-1 node
+    real_mask = torch.arange(p, device=dev)[None, :] < torch.tensor(real_lens, device=dev)[:, None]   # [B, P]
+    d = 1
+    while any(frontier):
+        f = max(len(fr) for fr in frontier)                          # rows this pass; shorter frontiers are padded
         m = 0 if tree_k is None else tree_k.shape[1]
-        toks = head.id_map[torch.tensor([[pool[i][j][2] for j in frontier[i]] for i in range(b)], device=dev)]
-        pos = (origin + d - 1)[:, None].expand(b, width)                        # [B, W]
-        mask = torch.zeros(b, width, p + m + width, dtype=torch.bool, device=dev)
-        mask[:, :, :p] = torch.arange(p, device=dev)[None, None, :] < torch.tensor(real_lens, device=dev)[:, None, None]
+        rows = [fr + [fr[0] if fr else 0] * (f - len(fr)) for fr in frontier]
+        toks = head.id_map[torch.tensor([[pool[i][j][2] if frontier[i] else 0 for j in r] for i, r in enumerate(rows)],
+                                        device=dev)]                                                   # [B, F]
+        feats = torch.stack([torch.stack([parent_feat[i][pool[i][j][3]] if frontier[i] else last[i] for j in r])
+                             for i, r in enumerate(rows)])                                             # [B, F, D]
+        pos = torch.tensor([[o + d - 1] * f for o in origin], device=dev)                             # [B, F]
+        allowed = [[[] for _ in range(f)] for _ in range(b)]         # new-key columns each row attends to
         for i in range(b):
-            for r, j in enumerate(frontier[i]):
+            for r in range(f):
+                if r >= len(frontier[i]):
+                    allowed[i][r] = [m + r]                          # a padding row: itself only
+                    continue
+                j = frontier[i][r]
                 slot_of[i][j] = m + r
-                a = j
-                while a >= 0:                                                    # itself and its ancestors
-                    mask[i, r, p + slot_of[i][a]] = True
+                a, cols = j, []
+                while a >= 0:                                        # itself and its ancestors
+                    cols.append(slot_of[i][a])
                     a = pool[i][a][3]
+                allowed[i][r] = cols
+        mask = torch.zeros(b, f, p + m + f, dtype=torch.bool)
+        for i in range(b):
+            for r, cols in enumerate(allowed[i]):
+                mask[i, r, [p + x for x in cols]] = True
+        mask = mask.to(dev)
+        mask[:, :, :p] = real_mask[:, None, :]
         past = (torch.cat([real_k] + ([tree_k] if tree_k is not None else []), 1),
                 torch.cat([real_v] + ([tree_v] if tree_v is not None else []), 1))
-        out, k, v = head(feats, toks, pos, past, mask)                           # [B, W, D]
+        out, k, v = head(feats, toks, pos, past, mask)                                                # [B, F, D]
         tree_k = k if tree_k is None else torch.cat([tree_k, k], 1)
         tree_v = v if tree_v is None else torch.cat([tree_v, v], 1)
-        logp = head.logits(out).log_softmax(-1)                                  # [B, W, N]
-        child_score, child_idx = logp.topk(width, dim=-1)                        # [B, W, W]
-        parent_score = torch.tensor([[pool[i][j][0] for j in frontier[i]] for i in range(b)], device=dev)
-        total = (parent_score[:, :, None] + child_score).view(b, -1)             # [B, W * W]
-        best_score, best = total.topk(width, dim=-1)                             # [B, W]
-        rows = (best // width).tolist()
-        tokens = child_idx.view(b, -1).gather(1, best).tolist()
-        new_frontier = []
+        child_score, child_idx = head.logits(out).log_softmax(-1).topk(width, dim=-1)                 # [B, F, W]
+        child_score, child_idx = child_score.tolist(), child_idx.tolist()
+        d += 1
         for i in range(b):
-            start = len(pool[i])
-            pool[i] += [(s, d + 1, t, frontier[i][r]) for s, t, r in zip(best_score[i].tolist(), tokens[i], rows[i])]
-            new_frontier.append(list(range(start, start + width)))
-        feats = out.gather(1, (best // width)[:, :, None].expand(b, width, out.shape[-1]))   # [B, W, D]
-        frontier = new_frontier
+            cands = [(pool[i][j][0] + cs, t, j) for r, j in enumerate(frontier[i])
+                     for cs, t in zip(child_score[i][r], child_idx[i][r])]
+            cands.sort(key=lambda x: -x[0])
+            first = len(pool[i])
+            pool[i] += [(sc, d, t, j) for sc, t, j in cands[:width]]   # the W best children of the frontier
+            for r, j in enumerate(frontier[i]):
+                parent_feat[i][j] = out[i, r]
+            new = list(range(first, len(pool[i])))
+            frontier[i] = _worth_expanding(pool[i], new, max_nodes) if d < ks[i] else []
     id_map = head.id_map.tolist()
     return [_select(pool[i], ks[i], max_nodes, id_map) for i in range(b)]
+
+
+def _worth_expanding(pool: list[tuple[float, int, int, int]], nodes: list[int], max_nodes: int) -> list[int]:
+    """The nodes whose children could still be among the best max_nodes: a child scores at most its parent, so a
+    node below the max_nodes-th best score of the pool can have no selected descendant (the selection is what it
+    would be without this pruning; the passes get fewer rows, and stop once no node qualifies)."""
+    if len(pool) < max_nodes:
+        return nodes
+    floor = sorted((x[0] for x in pool), reverse=True)[max_nodes - 1]
+    return [j for j in nodes if pool[j][0] >= floor and pool[j][0] > float("-inf")]
 
 
 def _select(pool: list[tuple[float, int, int, int]], depth: int, max_nodes: int, id_map: list[int]) -> Proposal:

@@ -202,6 +202,28 @@ def test_draft_confidence_comes_from_the_head_unless_set(tmp_path):
             EagleProposer(head, bad)
 
 
+def test_tree_settings_come_from_the_head_unless_set_and_bad_ones_are_refused(tmp_path):
+    from services.draft.config import DraftConfig
+    from services.launcher import ServeConfig
+    from services.target.config import TargetConfig
+    from shared.engine.config import EngineConfig
+    from shared.engine.eagle_proposer import make_eagle
+    head = tiny_head()
+    head.cfg.tree_nodes, head.cfg.tree_width = 9, 3
+    head.save(str(tmp_path / "h"))
+    target = torch.nn.Module()
+    target.embed_tokens, target.norm, target.lm_head = torch.nn.Embedding(V, D), head.final_norm, torch.nn.Linear(D, V)
+    own = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None)
+    assert (own.tree_nodes, own.tree_width) == (9, 3)
+    chains = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, tree_nodes=0)
+    assert chains.tree_nodes == 0
+    for make in (lambda: EngineConfig(draft_tree_nodes=-1), lambda: TargetConfig(draft_tree_nodes=-1),
+                 lambda: DraftConfig(draft_tree_nodes=-1), lambda: ServeConfig(draft_tree_nodes=-1),
+                 lambda: EagleProposer(head, tree_nodes=-2), lambda: EagleProposer(head, tree_nodes=4, tree_width=0)):
+        with pytest.raises(ValueError, match="tree"):
+            make()
+
+
 def test_batched_teacher_features_equal_one_sequence_at_a_time(tmp_path):
     """train-draft's features: several sequences per forward pass give each one's hidden states, exactly."""
     from services.train_draft_cmd import teacher_features
