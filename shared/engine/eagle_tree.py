@@ -2,11 +2,12 @@
 
 For greedy sequences the head does not commit to its top-1 token at every depth. From the root (the sequence's
 last real token, whose predicted feature `last` the head has just computed) it expands the W most likely
-children; at every further depth it runs the head once over the W frontier nodes of each sequence, scores each
-node's W best children by path log-probability (the sum of log q along the path) and keeps the W best of those
-W * W as the next frontier. K depths give K * W candidates; the N with the highest path probability (each node
-scores no higher than its parent, so the set contains its ancestors) become the proposal, in depth order with
-parent indices (shared.engine.tree). So a confident head drafts a long narrow tree and an unsure one a short bushy
+children; at every further depth it runs the head once over the frontier nodes of each sequence, scores each
+node's W best children by path log-probability (the sum of log q along the path) and keeps the W best of those as
+the next frontier. K depths give up to K * W candidates; the N with the highest path probability (each node scores
+no higher than its parent, so the set contains its ancestors) become the proposal, in depth order with parent
+indices (shared.engine.tree). A frontier node that already scores below the N-th best candidate cannot have a
+selected descendant, so it is not expanded: the passes shrink, and stop early when the head is unsure. So a confident head drafts a long narrow tree and an unsure one a short bushy
 tree, of the same size: the target verifies N + 1 rows at about the cost of one while N is small (on CPU, bf16 rows
 are nearly free up to about 10: bench/bench_matmul_rows.py).
 
@@ -30,7 +31,6 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
     sequence's depth -> one tree Proposal per sequence."""
     dev = last.device
     b = len(states)
-    depth = max(ks)
     c = head.cfg
     real_lens = [0 if st.k is None else len(st.k) for st in states]
     empty = last.new_zeros(0, c.num_kv_heads, c.head_dim)

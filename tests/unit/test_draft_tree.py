@@ -14,7 +14,7 @@ from shared.engine.proposers import Proposal
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.tree import ancestor_mask, check_tree, compaction, depths, is_chain, walk_greedy
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
-from tests.parity.test_tiny_llama import save_tiny
+from tests.parity.test_speculative import PROMPTS, tiny  # noqa: F401 (tiny: the tiny target, a fixture)
 
 # The tree of shared/engine/tree.py's docstring: a, b under the root; c under a, d under b, e under c.
 PARENTS = [-1, -1, 0, 1, 2]
@@ -144,17 +144,6 @@ class ScriptedTrees:
 
     def release(self, seq_id):
         pass
-
-
-PROMPTS = [torch.randint(1, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-           for n in (5, 17, 30, 9, 12, 40, 3, 22)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-tree")
-    save_tiny(path, None)
-    return str(path)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
