@@ -31,12 +31,11 @@ from shared.engine.proposer_mux import ProposerMux
 from shared.engine.proposers import NO_PROPOSAL, Proposal
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
-from shared.engine.tree import check_tree, depths
+from shared.engine.tree import MAX_TREE_NODES, check_tree, depths
 from upesi.v1 import target_pb2
 
 log = logging.getLogger("upesi.target.verify")
 
-MAX_TREE_NODES = 64     # the most draft-tree nodes one sequence may send per step
 ORPHAN_S = 30.0          # how long the requests of a broken stream wait for a caller to attach
 
 

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.tree import MAX_TREE_NODES
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -75,9 +77,9 @@ def check_draft_confidence(value: float | None) -> None:
 
 
 def check_tree_shape(nodes: int | None, width: int = 4) -> None:
-    """The one check of draft-tree settings: nodes >= 0 (0 = chains), width >= 1."""
-    if nodes is not None and nodes < 0:
-        raise ValueError(f"draft_tree_nodes must be >= 0 (0 = chains), got {nodes}")
+    """The one check of draft-tree settings: 0 <= nodes <= MAX_TREE_NODES (0 = chains), width >= 1."""
+    if nodes is not None and not 0 <= nodes <= MAX_TREE_NODES:
+        raise ValueError(f"draft_tree_nodes must be in [0, {MAX_TREE_NODES}] (0 = chains), got {nodes}")
     if width < 1:
         raise ValueError(f"tree_width must be >= 1, got {width}")
 

@@ -227,9 +227,13 @@ class LLMEngine:
         return []
 
     # ---------------------------------------------------------------- speculative decoding
+    def _k_max(self, seq: Sequence) -> int:
+        p = seq.params
+        return self.cfg.num_speculative_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
+
     def _spec_k(self, seq: Sequence) -> int:
         p = seq.params
-        k_max = self.cfg.num_speculative_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
+        k_max = self._k_max(seq)
         if k_max <= 0 or seq.request_id in self.beam_groups:
             return 0
         if seq.spec_k == 0:
@@ -287,7 +291,7 @@ class LLMEngine:
         self.stats_draft += num_draft
         self.stats_accepted += n
         if self.cfg.adaptive_speculation:                                # adaptive K (a tree's K is its depth)
-            seq.spec_k = seq.spec_k + 1 if n == depth else max(1, seq.spec_k - (n == 0))
+            seq.spec_k = min(self._k_max(seq), seq.spec_k + 1) if n == depth else max(1, seq.spec_k - (n == 0))
         emitted = []
         for t in draft[:n] + [tok]:
             seq.token_ids.append(t)

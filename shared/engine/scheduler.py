@@ -56,6 +56,10 @@ class Scheduler:
                 seq.drop_speculation()
                 n = 1
             while not self.blocks.can_append(seq, seq.num_computed_tokens + n):
+                if seq.spec_tokens:                 # its drafts go before any sequence is preempted for them
+                    seq.drop_speculation()
+                    n = 1
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:

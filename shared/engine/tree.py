@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+MAX_TREE_NODES = 64      # the most nodes of one sequence's tree (a target drops larger ones from a draft service)
+
 
 def check_tree(parents: list[int], num_tokens: int) -> None:
     """Raises ValueError unless `parents` is a valid tree over num_tokens nodes (each parent before its child)."""

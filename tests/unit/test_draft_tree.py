@@ -179,3 +179,25 @@ def test_sampled_sequences_refuse_trees(tiny):
     assert eng.generate(PROMPTS[:2], params) == want           # no speculation: the same seeded samples
     assert prop.trees > 0 and eng.stats_draft == 0
     assert eng.block_manager.num_used_blocks == 0
+
+
+def test_a_tree_that_does_not_fit_is_dropped_before_any_sequence_is_preempted():
+    from shared.engine.scheduler import Scheduler
+    from shared.engine.sequence import Sequence
+    from shared.kv.block_manager import BlockManager
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=50)
+    old, new = Sequence("a", 0, list(range(1, 8)), params), Sequence("b", 0, list(range(1, 9)), params)
+    for s in (old, new):
+        sched.add(s)
+    sched.schedule()                                              # both prefilled: 2 + 2 blocks of 6
+    for s in (old, new):
+        s.num_computed_tokens = len(s)
+        s.token_ids.append(20)                                    # one new token each
+    old.token_ids += list(range(30, 42))                          # a tree of 12 nodes: needs 3 more blocks
+    old.spec_tokens, old.spec_parents = list(range(30, 42)), [-1] * 12
+    batch = sched.schedule()
+    assert new in batch.seqs and old in batch.seqs and sched.num_preemptions == 0
+    assert old.spec_tokens == [] and old.spec_parents is None and old.token_ids[-1] == 20
+    assert batch.num_tokens == [1, 1]                             # both decode plainly

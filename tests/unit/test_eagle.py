@@ -217,7 +217,8 @@ def test_tree_settings_come_from_the_head_unless_set_and_bad_ones_are_refused(tm
     assert (own.tree_nodes, own.tree_width) == (9, 3)
     chains = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, tree_nodes=0)
     assert chains.tree_nodes == 0
-    for make in (lambda: EngineConfig(draft_tree_nodes=-1), lambda: TargetConfig(draft_tree_nodes=-1),
+    for make in (lambda: EngineConfig(draft_tree_nodes=-1), lambda: EngineConfig(draft_tree_nodes=65),
+                 lambda: TargetConfig(draft_tree_nodes=-1),
                  lambda: DraftConfig(draft_tree_nodes=-1), lambda: ServeConfig(draft_tree_nodes=-1),
                  lambda: EagleProposer(head, tree_nodes=-2), lambda: EagleProposer(head, tree_nodes=4, tree_width=0)):
         with pytest.raises(ValueError, match="tree"):
