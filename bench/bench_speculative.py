@@ -189,10 +189,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the configurations")
     p.add_argument("--dtype", default="auto", help="the stacks' --dtype (auto: bf16 on CPUs with native bf16)")
     args = p.parse_args()
+    from shared.engine.eagle import EagleConfig
 
     results = measure_stacks(args)
     c = measure_cost_ratio(args.head, args.k, args.threads, args.dtype)
-    nodes = head_config(args.head).tree_nodes
+    nodes = EagleConfig.read(args.head).tree_nodes
     c_tree = measure_cost_ratio(args.head, args.k, args.threads, args.dtype, tree_nodes=nodes) if nodes else c
     print(f"\ndefault model, greedy, {args.tokens} tokens, K = {args.k}, dtype {args.dtype}, c = {c:.3f} "
           f"(head step / target step; a depth of the head's {nodes}-node trees: {c_tree:.3f}; the bound is the "
@@ -209,11 +210,6 @@ def main() -> None:
             print(f"{name:14} {b[1:]:>5} {r['tok_s']:8.1f} {r['tau']:6.2f} {a:6.3f} {speedup:8.2f} {bound:6.2f}")
     print(json.dumps({"k": args.k, "tokens": args.tokens, "dtype": args.dtype, "c": c, "c_tree": c_tree,
                       "rows": rows}))
-
-
-def head_config(head: str):
-    from shared.engine.eagle import CONFIG_FILE, EagleConfig
-    return EagleConfig(**json.loads((Path(head) / CONFIG_FILE).read_text()))
 
 
 if __name__ == "__main__":

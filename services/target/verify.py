@@ -129,9 +129,10 @@ class StreamProposer:
             except ValueError as e:
                 log.warning("dropping a malformed draft tree: %s", e)
                 return NO_PROPOSAL
-            if len(tokens) > MAX_TREE_NODES or max(depths(parents)) > k:
+            depth = max(depths(parents))
+            if len(tokens) > MAX_TREE_NODES or depth > k:
                 log.warning("dropping a draft tree of %d nodes and depth %d (at most %d nodes, depth %d)",
-                            len(tokens), max(depths(parents)), MAX_TREE_NODES, k)
+                            len(tokens), depth, MAX_TREE_NODES, k)
                 return NO_PROPOSAL
             return Proposal(tokens, None, parents)
         return Proposal(tokens, q[:len(tokens)] if q is not None else None)

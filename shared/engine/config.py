@@ -26,7 +26,7 @@ class EngineConfig:
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
     adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
     draft_confidence: float | None = None  # eagle: stop drafting below this path probability (None = the head's)
-    draft_tree_nodes: int | None = None   # eagle: draft-tree nodes per step for greedy rows (None = the head's, 0 = chains)
+    draft_tree_nodes: int | None = None   # eagle: tree nodes per step for greedy rows (None = the head's, 0 = chains)
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 

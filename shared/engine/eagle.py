@@ -43,8 +43,16 @@ class EagleConfig:
     max_position: int = 8192
     post_norm: bool = False         # features after the target's final norm (EAGLE-1); False: before it
     draft_confidence: float = 0.0   # serving default: stop a draft once its path probability falls below this
-    tree_nodes: int = 0             # serving default: draft-tree nodes per step, shared by greedy sequences (0: chains)
+    tree_nodes: int = 0             # serving default: tree nodes per step, shared by greedy sequences (0: chains)
     tree_width: int = 4             # candidates kept per depth of a tree
+
+    @classmethod
+    def read(cls, folder: str) -> "EagleConfig":
+        """The config saved beside a head (eagle.json)."""
+        import os
+
+        with open(os.path.join(folder, CONFIG_FILE)) as f:
+            return cls(**json.load(f))
 
 
 class EagleHead(nn.Module):
@@ -120,9 +128,7 @@ class EagleHead(nn.Module):
 
         from safetensors.torch import load_file
 
-        with open(os.path.join(folder, CONFIG_FILE)) as f:
-            cfg = EagleConfig(**json.load(f))
-        head = cls(cfg)
+        head = cls(EagleConfig.read(folder))
         head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
                               for k, v in load_file(os.path.join(folder, HEAD_FILE)).items()})
         return head.to(device=device, dtype=dtype).eval()

@@ -96,6 +96,7 @@ class EagleProposer:
         # per step, since the target verifies every node of the batch in one pass: a sequence alone gets them all,
         # a batch of 8 one each (its head's first choice).
         trees = [r for r, i in enumerate(live) if self.tree_nodes and seqs[i].params.greedy]
+        in_tree = set(trees)
         if trees:
             nodes = max(1, self.tree_nodes // len(trees))
             for r, prop in zip(trees, draft_trees(self.head, [states[r] for r in trees], last[trees],
@@ -108,7 +109,7 @@ class EagleProposer:
         tokens: list[list[int]] = [[] for _ in live]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
         path = [1.0] * len(live)
-        rows = [r for r in range(len(live)) if r not in trees]       # rows still drafting
+        rows = [r for r in range(len(live)) if r not in in_tree]     # rows still drafting
         last = last[rows]
         for step in range(max(ks[i] for i in live) if rows else 0):
             logits = self.head.logits(last)                          # [R, N]
@@ -134,7 +135,7 @@ class EagleProposer:
             npos = [torch.tensor([st.origin + len(st.k)]) for st in sub]
             last = self._run(sub, [last[r][None] for r in go], nxt, npos)
         for b, i in enumerate(live):
-            if b not in trees:
+            if b not in in_tree:
                 out[i] = Proposal(tokens[b], torch.stack(probs[b]) if probs[b] else None)
         return out
 

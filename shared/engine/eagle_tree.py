@@ -7,9 +7,10 @@ node's W best children by path log-probability (the sum of log q along the path)
 the next frontier. K depths give up to K * W candidates; the N with the highest path probability (each node scores
 no higher than its parent, so the set contains its ancestors) become the proposal, in depth order with parent
 indices (shared.engine.tree). A frontier node that already scores below the N-th best candidate cannot have a
-selected descendant, so it is not expanded: the passes shrink, and stop early when the head is unsure. So a confident head drafts a long narrow tree and an unsure one a short bushy
-tree, of the same size: the target verifies N + 1 rows at about the cost of one while N is small (on CPU, bf16 rows
-are nearly free up to about 10: bench/bench_matmul_rows.py).
+selected descendant, so it is not expanded: the passes shrink, and stop early when the head is unsure. So a
+confident head drafts a long narrow tree and an unsure one a short bushy tree, of the same size: the target
+verifies N + 1 rows at about the cost of one while N is small (on CPU, bf16 rows are nearly free up to about 10:
+bench/bench_matmul_rows.py).
 
 The head's KV of the tree nodes lives only during one call: a node attends to the sequence's real KV, its
 ancestors' KV and its own (an ancestor mask), and nothing of it is kept.
@@ -53,29 +54,22 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
     while any(frontier):
         f = max(len(fr) for fr in frontier)                          # rows this pass; shorter frontiers are padded
         m = 0 if tree_k is None else tree_k.shape[1]
-        rows = [fr + [fr[0] if fr else 0] * (f - len(fr)) for fr in frontier]
-        toks = head.id_map[torch.tensor([[pool[i][j][2] if frontier[i] else 0 for j in r] for i, r in enumerate(rows)],
-                                        device=dev)]                                                   # [B, F]
-        feats = torch.stack([torch.stack([parent_feat[i][pool[i][j][3]] if frontier[i] else last[i] for j in r])
+        # shorter frontiers are padded with node 0 (a child of the root: a valid input whose output is unused)
+        rows = [fr + [0] * (f - len(fr)) for fr in frontier]
+        toks = head.id_map[torch.tensor([[pool[i][j][2] for j in r] for i, r in enumerate(rows)], device=dev)]  # [B, F]
+        feats = torch.stack([torch.stack([parent_feat[i][pool[i][j][3]] for j in r])
                              for i, r in enumerate(rows)])                                             # [B, F, D]
         pos = torch.tensor([[o + d - 1] * f for o in origin], device=dev)                             # [B, F]
-        allowed = [[[] for _ in range(f)] for _ in range(b)]         # new-key columns each row attends to
-        for i in range(b):
-            for r in range(f):
-                if r >= len(frontier[i]):
-                    allowed[i][r] = [m + r]                          # a padding row: itself only
-                    continue
-                j = frontier[i][r]
-                slot_of[i][j] = m + r
-                a, cols = j, []
-                while a >= 0:                                        # itself and its ancestors
-                    cols.append(slot_of[i][a])
-                    a = pool[i][a][3]
-                allowed[i][r] = cols
         mask = torch.zeros(b, f, p + m + f, dtype=torch.bool)
         for i in range(b):
-            for r, cols in enumerate(allowed[i]):
-                mask[i, r, [p + x for x in cols]] = True
+            for r in range(f):
+                mask[i, r, p + m + r] = True                         # itself (a padding row: only itself)
+                if r < len(frontier[i]):
+                    slot_of[i][frontier[i][r]] = m + r
+                    a = pool[i][frontier[i][r]][3]
+                    while a >= 0:                                    # its ancestors
+                        mask[i, r, p + slot_of[i][a]] = True
+                        a = pool[i][a][3]
         mask = mask.to(dev)
         mask[:, :, :p] = real_mask[:, None, :]
         past = (torch.cat([real_k] + ([tree_k] if tree_k is not None else []), 1),
