@@ -25,6 +25,7 @@ from torch import nn
 
 from shared.model.llama import MLP, RMSNorm
 from shared.model.rope import apply_rope, rope_tables
+from shared.ops.packed_linear import pack_linears, pack_weight, packable, packed_linear
 
 HEAD_FILE, CONFIG_FILE = "head.safetensors", "eagle.json"
 
@@ -74,11 +75,29 @@ class EagleHead(nn.Module):
         self.embed: torch.Tensor | None = None          # [V, D]
         self.final_norm: nn.Module | None = None
         self.head_rows: torch.Tensor | None = None      # [N, D], the LM head's rows of the reduced vocab
+        self.packed_rows: torch.Tensor | None = None    # head_rows prepacked (serving in bf16 on CPU: `pack`)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input_layernorm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_layernorm.weight.device
+
+    def pack(self) -> None:
+        """Serving only (not trainable after): bf16 CPU weights prepacked for oneDNN (shared.ops.packed_linear),
+        bit-identical and about 2x faster; a no-op elsewhere."""
+        if packable(self.input_layernorm.weight):
+            pack_linears(self)
+            if self.head_rows is not None:
+                self.packed_rows = pack_weight(self.head_rows)
 
     def attach_target(self, embed: torch.Tensor, norm: nn.Module, lm_head: torch.Tensor) -> None:
         self.embed = embed
         object.__setattr__(self, "final_norm", norm)          # the target's module: not a submodule, never saved
-        self.head_rows = lm_head[self.id_map].to(self.fc.weight.dtype).contiguous()  # [N, D], in the head's dtype
+        self.head_rows = lm_head[self.id_map].to(self.dtype).contiguous()  # [N, D], in the head's dtype
+        self.packed_rows = None
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor
@@ -108,7 +127,10 @@ class EagleHead(nn.Module):
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """feats [..., D] (this head's feature space) -> logits over the reduced vocab [..., N] in fp32."""
-        return F.linear(feats if self.cfg.post_norm else self.final_norm(feats), self.head_rows).float()
+        x = feats if self.cfg.post_norm else self.final_norm(feats)
+        if self.packed_rows is not None:
+            return packed_linear(x, self.packed_rows).float()
+        return F.linear(x, self.head_rows).float()
 
     # ---------------------------------------------------------------- files
     def save(self, folder: str, dtype: torch.dtype = torch.float16) -> None:

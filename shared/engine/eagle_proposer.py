@@ -58,7 +58,7 @@ class EagleProposer:
     # ---------------------------------------------------------------- features in
     def accept_hidden(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         """hidden [M, D]: the target's features at positions start .. start + M - 1 (all with accepted inputs)."""
-        hidden = self.head.features(hidden.to(self.head.fc.weight.dtype))                     # [M, D]
+        hidden = self.head.features(hidden.to(self.head.dtype))                     # [M, D]
         st = self.states.get(seq.seq_id)
         if st is None or start < st.origin or start > st.next_feature_pos:
             self.states[seq.seq_id] = HeadState(start, hidden)      # new, or a gap: begin again from here
@@ -142,7 +142,7 @@ class EagleProposer:
     def _run(self, states: list[HeadState], feats: list[torch.Tensor], toks: list[torch.Tensor],
              pos: list[torch.Tensor]) -> torch.Tensor:
         """One padded batched pass of the head; appends the new KV to each state -> last predicted feature [B, D]."""
-        dev = self.head.fc.weight.device
+        dev = self.head.device
         new_lens = [len(f) for f in feats]
         past_lens = [0 if st.k is None else len(st.k) for st in states]
         f = pad_sequence(feats, batch_first=True).to(dev)                                   # [B, T, D]
@@ -161,8 +161,8 @@ class EagleProposer:
         return out[torch.arange(len(states)), torch.tensor(new_lens) - 1]                 # [B, D]
 
     def _empty_kv(self) -> torch.Tensor:
-        c, w = self.head.cfg, self.head.fc.weight
-        return w.new_zeros(0, c.num_kv_heads, c.head_dim)
+        c = self.head.cfg
+        return torch.zeros(0, c.num_kv_heads, c.head_dim, dtype=self.head.dtype, device=self.head.device)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], states: list[HeadState]
                 ) -> list[tuple[int, torch.Tensor | None, int]]:
@@ -210,6 +210,7 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
         head.attach_target(target.embed_tokens.weight, target.norm, target.lm_head.weight)
     else:
         head.attach_target(*load_target_parts(target_path, dtype, device))
+    head.pack()                                   # bf16 on CPU: prepacked weights (bit-identical, faster)
     if head.embed.shape[0] != head.cfg.vocab_size:
         raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
                          f"{head.embed.shape[0]}")

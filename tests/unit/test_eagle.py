@@ -374,3 +374,29 @@ def test_draft_tree_nodes_are_the_heads_top_candidates_along_their_paths(nodes, 
         first = int(head.id_map[_ref_next_logp(head, f, s.token_ids, []).argmax()])
         assert first in [t for t, p in zip(tokens, parents) if p == -1]
         assert len(prop.states[s.seq_id].k) == len(s) - 1          # nothing of the tree stays in the head's KV
+
+
+def test_a_packed_bf16_head_drafts_what_the_unpacked_one_drafts():
+    """Serving packs a bf16 head's weights for oneDNN (EagleHead.pack): same drafts, chains and trees."""
+    from shared.ops.packed_linear import PackedLinear, packing_available
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    g = torch.Generator().manual_seed(5)
+    greedy = SamplingParams(temperature=0, max_tokens=50)
+    seqs = [Sequence("r", 0, torch.randint(0, V, (n,), generator=g).tolist(), greedy) for n in (6, 11)]
+    feats = [torch.randn(len(s) - 1, D, generator=g).bfloat16() for s in seqs]
+    drafts = []
+    for pack in (False, True):
+        head = tiny_head().to(torch.bfloat16)
+        head.attach_target(head.embed.bfloat16(), head.final_norm.to(torch.bfloat16), torch.randn(V, D) * 3)
+        if pack:
+            head.pack()
+            assert type(head.fc) is PackedLinear and head.packed_rows is not None
+        out = []
+        for nodes in (0, 6):
+            prop = EagleProposer(head, tree_nodes=nodes, tree_width=3)
+            for s, f in zip(seqs, feats):
+                prop.accept_hidden(s, 0, f)
+            out.append([tuple(p.tokens) + tuple(p.parents or ()) for p in prop.propose(seqs, [3, 4])])
+        drafts.append(out)
+    assert drafts[0] == drafts[1] and all(len(p) >= 3 for run in drafts[0] for p in run)

@@ -1,0 +1,75 @@
+"""Linear layers with their weights prepacked for oneDNN (CPU, bf16).
+
+`F.linear` on a bf16 CPU tensor hands the [out, in] weight to oneDNN, which reorders it into its blocked layout on
+every call: at the few rows of a decode or a verification step that reorder is about half the cost. Packing once
+at load (as torch.compile's CPU freezing does) runs the same oneDNN kernel on the packed copy, so the result is
+bit-identical to `F.linear` and about 2x faster on this project's CPUs (bench/bench_matmul_rows.py --packed).
+The torch reference is `F.linear` itself (tests/unit/test_packed_linear.py).
+
+fp32 stays on `F.linear` (MKL): the fp32 paths are the ones tested exactly against transformers.
+Shapes: N = rows (any leading dims), I = in features, O = out features.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@functools.cache
+def packing_available() -> bool:
+    """True when this torch build has oneDNN's prepacked linear ops and they agree with F.linear."""
+    try:
+        w, x = torch.randn(8, 16).bfloat16(), torch.randn(3, 16).bfloat16()
+        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+        return torch.equal(y, F.linear(x, w))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and packing_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[O, I] bf16 CPU -> an opaque oneDNN tensor for `packed_linear` (no storage, never saved or moved)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., I] @ packed [O, I]^T (+ bias) -> [..., O]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear for inference whose weight lives only in the packed copy (`keep_weight` keeps the original as
+    `weight` too: a tied LM head, whose tensor the embedding holds anyway, or a layer read elsewhere)."""
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = pack_weight(linear.weight)                 # not a buffer: .to() and state_dict skip it
+        self.bias = linear.bias
+        if keep_weight:
+            self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def pack_linears(model: nn.Module, keep_weight: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> int:
+    """Replaces every bf16 CPU nn.Linear of `model` (exact type) by a PackedLinear, in place; modules whose name
+    ends with an entry of `skip` stay as they are, those ending with one of `keep_weight` keep `weight` too.
+    -> the number of layers packed (0 where packing does not apply: another dtype or device, no oneDNN)."""
+    todo = [(name, m) for name, m in model.named_modules()
+            if type(m) is nn.Linear and packable(m.weight) and not name.endswith(skip or ("\0",))]
+    for name, m in todo:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, PackedLinear(m, keep_weight=bool(keep_weight) and name.endswith(keep_weight)))
+    return len(todo)
