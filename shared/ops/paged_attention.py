@@ -54,14 +54,33 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
     return x.transpose(1, 2)                                 # [B, KVH, L, Dh]
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          causal: bool = False) -> torch.Tensor:
+    """Grouped-query attention: q [B, H, Q, Dh], k / v [B, KVH, L, Dh], mask [B or 1, 1, Q or 1, L] bool (True =
+    attend) -> [B, H, Q, Dh]. Query head h reads KV head h // (H / KVH). The G = H / KVH heads of a group are
+    folded into the query rows ([B, KVH, G Q, Dh]) rather than passed as enable_gqa: with a mask that takes
+    SDPA's fused CPU kernel instead of its math fallback (about 5x faster for a decode step's one query)."""
+    b, h, nq, dh = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    if g == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
+    qg = q.reshape(b, kvh, g * nq, dh)                       # row r of group j: head j G + r // Q, query r % Q
+    if causal:                                               # causal over Q = L new tokens, as a mask per group
+        mask = torch.ones(nq, nq, dtype=torch.bool, device=q.device).tril()[None, None]
+    if mask is not None and mask.shape[-2] > 1:
+        mask = mask.repeat(1, 1, g, 1)                       # [B, 1, G Q, L]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)     # [B, KVH, G Q, Dh]
+    return out.reshape(b, h, nq, dh)
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
     """One query per sequence: q [B, H, Dh] -> [B, H, Dh]."""
     k = _gather(k_cache, block_tables, max_len)              # [B, KVH, L, Dh]
     v = _gather(v_cache, block_tables, max_len)
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [B, L]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=valid[:, None, None, :],
-                                         scale=scale, enable_gqa=True)            # [B, H, 1, Dh]
+    out = _sdpa(q.unsqueeze(2).to(k.dtype), k, v, valid[:, None, None, :], scale)   # [B, H, 1, Dh]
     return out.squeeze(2)
 
 
@@ -76,13 +95,13 @@ def _extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     if tree is not None:
         mask = torch.ones(nq, seq_len, dtype=torch.bool, device=q.device)           # [Q, L]
         mask[:, seq_len - nq:] = tree
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = _sdpa(qh, k, v, mask[None, None], scale)
     elif nq == seq_len:
-        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = _sdpa(qh, k, v, None, scale, causal=True)
     else:
         qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]       # [Q, 1]
         mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos             # [Q, L]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = _sdpa(qh, k, v, mask[None, None], scale)
     return out[0].transpose(0, 1)                            # [Q, H, Dh]
 
 
@@ -108,7 +127,7 @@ def _short_extends(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if tree is not None:
             n, end = qlens[i], meta.seq_lens_host[b]
             mask[i, :n, end - n:end] = tree
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    out = _sdpa(qb, k, v, mask[:, None], scale)                                            # [B, H, Q, Dh]
     valid = (torch.arange(qmax, device=q.device)[None, :] < qlen_t[:, None]).flatten()     # [B * Q]
     return out.transpose(1, 2).reshape(-1, *q.shape[1:])[valid], row_idx[valid]
 
