@@ -25,6 +25,7 @@ from torch import nn
 
 from shared.model.llama import MLP, RMSNorm
 from shared.model.rope import apply_rope, rope_tables
+from shared.ops.paged_attention import gqa_attention
 from shared.ops.packed_linear import pack_linears, pack_weight, packable, packed_linear
 
 HEAD_FILE, CONFIG_FILE = "head.safetensors", "eagle.json"
@@ -115,8 +116,8 @@ class EagleHead(nn.Module):
         k = apply_rope(k.reshape(b * t, c.num_kv_heads, c.head_dim), cos, sin).view(b, t, c.num_kv_heads, c.head_dim)
         v = v.view(b, t, c.num_kv_heads, c.head_dim)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 1), torch.cat([past[1], v], 1))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=mask[:, None], enable_gqa=True)   # [B, H, T, Dh]
+        o = gqa_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None],
+                          c.head_dim ** -0.5)                                        # [B, H, T, Dh]
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
@@ -173,7 +174,8 @@ def causal_mask(past_lens: list[int], new_lens: list[int], device: torch.device)
 
 def head_config_for(target_cfg, draft_vocab_size: int, post_norm: bool = False) -> EagleConfig:
     """A head shaped like one layer of the target (a shared.model.config.ModelConfig)."""
-    return EagleConfig(post_norm=post_norm, hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
+    return EagleConfig(post_norm=post_norm, hidden_size=target_cfg.hidden_size,
+                       intermediate_size=target_cfg.intermediate_size,
                        num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
                        head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps,
                        rope_theta=target_cfg.rope_theta, vocab_size=target_cfg.vocab_size,

@@ -54,7 +54,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
     return x.transpose(1, 2)                                 # [B, KVH, L, Dh]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
           causal: bool = False) -> torch.Tensor:
     """Grouped-query attention: q [B, H, Q, Dh], k / v [B, KVH, L, Dh], mask [B or 1, 1, Q or 1, L] bool (True =
     attend) -> [B, H, Q, Dh]. Query head h reads KV head h // (H / KVH). The G = H / KVH heads of a group are
@@ -80,7 +80,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     k = _gather(k_cache, block_tables, max_len)              # [B, KVH, L, Dh]
     v = _gather(v_cache, block_tables, max_len)
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [B, L]
-    out = _sdpa(q.unsqueeze(2).to(k.dtype), k, v, valid[:, None, None, :], scale)   # [B, H, 1, Dh]
+    out = gqa_attention(q.unsqueeze(2).to(k.dtype), k, v, valid[:, None, None, :], scale)   # [B, H, 1, Dh]
     return out.squeeze(2)
 
 
@@ -95,13 +95,13 @@ def _extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     if tree is not None:
         mask = torch.ones(nq, seq_len, dtype=torch.bool, device=q.device)           # [Q, L]
         mask[:, seq_len - nq:] = tree
-        out = _sdpa(qh, k, v, mask[None, None], scale)
+        out = gqa_attention(qh, k, v, mask[None, None], scale)
     elif nq == seq_len:
-        out = _sdpa(qh, k, v, None, scale, causal=True)
+        out = gqa_attention(qh, k, v, None, scale, causal=True)
     else:
         qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]       # [Q, 1]
         mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos             # [Q, L]
-        out = _sdpa(qh, k, v, mask[None, None], scale)
+        out = gqa_attention(qh, k, v, mask[None, None], scale)
     return out[0].transpose(0, 1)                            # [Q, H, Dh]
 
 
@@ -127,7 +127,7 @@ def _short_extends(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if tree is not None:
             n, end = qlens[i], meta.seq_lens_host[b]
             mask[i, :n, end - n:end] = tree
-    out = _sdpa(qb, k, v, mask[:, None], scale)                                            # [B, H, Q, Dh]
+    out = gqa_attention(qb, k, v, mask[:, None], scale)                                   # [B, H, Q, Dh]
     valid = (torch.arange(qmax, device=q.device)[None, :] < qlen_t[:, None]).flatten()     # [B * Q]
     return out.transpose(1, 2).reshape(-1, *q.shape[1:])[valid], row_idx[valid]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.ops.paged_attention import _sdpa
+from shared.ops.paged_attention import gqa_attention
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -19,9 +19,9 @@ def test_grouped_sdpa_equals_enable_gqa(dtype, b, h, kvh, nq, length):
     mask[..., 0] = True                                          # no row fully masked
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
-    torch.testing.assert_close(_sdpa(q, k, v, mask, 0.125), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(gqa_attention(q, k, v, mask, 0.125), want, atol=tol, rtol=tol)
     if nq == length or nq == 1:
         return
     k, v = k[:, :, :nq], v[:, :, :nq]                             # causal: Q = L
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
-    torch.testing.assert_close(_sdpa(q, k, v, None, 0.125, causal=True), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(gqa_attention(q, k, v, None, 0.125, causal=True), want, atol=tol, rtol=tol)
