@@ -20,7 +20,8 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
     (a configuration NAME:DTYPE runs in that dtype, e.g. `--configs plain:float32 plain eagle-draft`; NAME-fixed,
     e.g. eagle-draft-fixed, always asks for K tokens instead of adapting K to each request's acceptance; NAME@X
     stops a draft below path probability X instead of the head's own setting, e.g. eagle-draft@0 never stops early;
-    NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains)
+    NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains;
+    NAME+N speculates only while at most N sequences run, --speculative-max-seqs N)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -57,8 +58,9 @@ PROMPTS = [
 def serve_args(name: str, head: str, k: int, threads: int, dtype: str) -> list[str]:
     """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32),
     NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for), NAME/N sets
-    --draft-tree-nodes N (e.g. eagle-draft/0: chains)."""
+    --draft-tree-nodes N (e.g. eagle-draft/0: chains), NAME+N --speculative-max-seqs N."""
     name, _, own = name.partition(":")
+    name, _, max_seqs = name.partition("+")
     name, _, nodes = name.partition("/")
     name, _, conf = name.partition("@")
     base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k), "--dtype", own or dtype]
@@ -66,6 +68,8 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str) -> list[s
         base += ["--draft-confidence", conf]
     if nodes:
         base += ["--draft-tree-nodes", nodes]
+    if max_seqs:
+        base += ["--speculative-max-seqs", max_seqs]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     fixed = name.endswith("-fixed")                     # always K drafts (--adaptive-speculation false)

@@ -42,6 +42,8 @@ class ServeConfig:
     num_speculative_tokens: int = option(3, "default K for speculative decoding")
     adaptive_speculation: bool = option(True, "the targets adapt each request's K to its acceptance (1 .. K); "
                                               "false: always K")
+    speculative_max_seqs: int = option(0, "the targets speculate only while at most this many sequences are "
+                                          "running (more: plain decoding until the batch shrinks; 0 = always)")
     draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
                                                   "probability of its draft path falls below this (0 = always K "
                                                   "drafts; default: the head's own, from eagle.json)")
@@ -69,6 +71,8 @@ class ServeConfig:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
+        if self.speculative_max_seqs < 0:
+            raise ValueError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
         if self.draft_num_threads is not None and self.draft_num_threads < 1:
             raise ValueError(f"draft_num_threads must be at least 1, got {self.draft_num_threads}")
         if self.target_replicas < 1:
@@ -199,7 +203,8 @@ def main(args: argparse.Namespace) -> None:
         if experts and cfg.rebalance_interval_s:
             experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
         spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
-                "--adaptive-speculation", str(cfg.adaptive_speculation).lower()]
+                "--adaptive-speculation", str(cfg.adaptive_speculation).lower(),
+                "--speculative-max-seqs", str(cfg.speculative_max_seqs)]
         confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
         if cfg.draft_tree_nodes is not None:
             confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]

@@ -29,6 +29,9 @@ class TargetConfig:
     adaptive_speculation: bool = option(True, "each request's K follows its acceptance (one more after all drafts "
                                               "were accepted, one fewer after none, between 1 and K); false: "
                                               "always K")
+    speculative_max_seqs: int = option(0, "speculate only while at most this many sequences are running; with "
+                                          "more, every sequence decodes plainly until the batch shrinks (a big "
+                                          "batch already fills the matmuls that drafts would; 0 = always)")
     draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
                                                   "probability of its draft path falls below this (0 = always K "
                                                   "drafts; default: the head's own, from eagle.json)")
@@ -64,6 +67,8 @@ class TargetConfig:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
+        if self.speculative_max_seqs < 0:
+            raise ValueError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:
@@ -87,5 +92,6 @@ class TargetConfig:
                             enable_prefix_caching=self.enable_prefix_caching, speculative=self.speculative,
                             num_speculative_tokens=self.num_speculative_tokens,
                             adaptive_speculation=self.adaptive_speculation,
+                            speculative_max_seqs=self.speculative_max_seqs,
                             draft_confidence=self.draft_confidence, draft_tree_nodes=self.draft_tree_nodes,
                             nvfp4_act_quant=self.nvfp4_act_quant)

@@ -25,6 +25,7 @@ class EngineConfig:
     speculative: str | None = None        # proposer: "ngram" or "draft-model:PATH" (None = no speculation)
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
     adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
+    speculative_max_seqs: int = 0         # speculate only while at most this many sequences run (0 = always)
     draft_confidence: float | None = None  # eagle: stop drafting below this path probability (None = the head's)
     draft_tree_nodes: int | None = None   # eagle: tree nodes per step for greedy rows (None = the head's, 0 = chains)
     draft_kv_blocks: int = 512            # KV blocks of a draft model
@@ -33,6 +34,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if self.speculative_max_seqs < 0:
+            raise ValueError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         check_draft_confidence(self.draft_confidence)

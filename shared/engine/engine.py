@@ -242,6 +242,9 @@ class LLMEngine:
         return max(0, min(seq.spec_k, k_max, room))
 
     def _propose(self) -> None:
+        limit = self.cfg.speculative_max_seqs
+        if limit and len(self.scheduler.running) > limit:
+            return                            # a big batch: verifying drafts costs more than it saves (plain steps)
         seqs, ks = [], []
         for seq in self.scheduler.running:
             if seq.num_uncomputed == 1 and not seq.spec_tokens and seq.num_output_tokens > 0:

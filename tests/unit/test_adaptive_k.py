@@ -55,3 +55,33 @@ def test_k_follows_acceptance_only_when_adaptive(tmp_path, adaptive):
         assert asked_wrong == [min(K, TOKENS - n - 1) for n in range(1, TOKENS - 1)]
     assert prop.asked[0] == K and set(prop.asked[:-1]) == {K}  # all accepted: K stays at the deployment's K
     assert eng.block_manager.num_used_blocks == 0
+
+
+def test_no_drafts_while_more_sequences_run_than_speculative_max_seqs(tmp_path):
+    """speculative_max_seqs = 2: three running sequences decode plainly; once one has finished, the other two are
+    drafted for again. Outputs stay the plain greedy ones."""
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
+                                 num_speculative_tokens=K, speculative_max_seqs=2))
+    prompts = [PROMPT, [4, 6, 8], [2, 9]]
+    lens = [6, 20, 20]
+    plain = [eng.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0][0]
+             for p, n in zip(prompts, lens)]
+    seen: list[int] = []
+
+    class Counting(Scripted):
+        def propose(self, seqs, ks):
+            seen.append(len(eng.scheduler.running))
+            return super().propose(seqs, ks)
+
+    eng.proposer = Counting(plain[0], eng.model_cfg.vocab_size)
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    assert [out[f"r{i}"] for i in range(3)] == plain
+    assert seen and max(seen) <= 2                        # never asked with three running
+    with pytest.raises(ValueError, match="speculative_max_seqs"):
+        EngineConfig(speculative_max_seqs=-1)
