@@ -85,7 +85,8 @@ def nbytes(w: torch.Tensor | nn.Module | None) -> int:
         return 0
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
-    return sum(t.numel() * t.element_size() for t in (*w.parameters(), *w.buffers()))
+    own = getattr(w, "packed_nbytes", 0)                    # a PackedLinear's opaque oneDNN copy
+    return own + sum(t.numel() * t.element_size() for t in (*w.parameters(), *w.buffers()))
 
 
 def move(w: torch.Tensor | nn.Module | None, device: torch.device, dtype: torch.dtype):

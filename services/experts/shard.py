@@ -26,6 +26,7 @@ from shared.engine.sampling_params import InvalidRequest
 from shared.model.config import ModelConfig
 from shared.model.loader import iter_weights, load_config, resolve_model_path
 from shared.model.placement import Placement, Unit, dense_slice, num_routed_experts
+from shared.ops.packed_linear import PackedLinear, packable
 
 log = logging.getLogger("upesi.experts")
 
@@ -58,6 +59,12 @@ def _linear(x: torch.Tensor, w: torch.Tensor | nn.Module, bias: torch.Tensor | N
         return F.linear(x, w, bias)
     y = w(x)
     return y if bias is None else y + bias
+
+
+def _prepacked(w: torch.Tensor | nn.Module) -> torch.Tensor | nn.Module:
+    """A bf16 CPU weight -> a PackedLinear (shared.ops.packed_linear: same results as F.linear, about 2x faster at
+    a step's few rows); anything else as it is."""
+    return PackedLinear(w) if isinstance(w, torch.Tensor) and w.dim() == 2 and packable(w) else w
 
 
 def ffn_forward(units: Mapping[int, FfnUnit], hidden: torch.Tensor, unit_ids: torch.Tensor,
@@ -161,9 +168,9 @@ class ExpertShard:
     def _add(self, units: dict[Unit, FfnUnit]) -> None:
         layers = {k: dict(v) for k, v in self.layers.items()}        # readers keep the old dicts until the swap
         for (layer, u), unit in units.items():
-            layers.setdefault(layer, {})[u] = FfnUnit(*(packed.move(t, self.device, self.dtype)
-                                                        for t in (unit.gate_up, unit.down, unit.gate_up_bias,
-                                                                  unit.down_bias)))
+            gate_up, down, gate_up_bias, down_bias = (packed.move(t, self.device, self.dtype) for t in (
+                unit.gate_up, unit.down, unit.gate_up_bias, unit.down_bias))
+            layers.setdefault(layer, {})[u] = FfnUnit(_prepacked(gate_up), _prepacked(down), gate_up_bias, down_bias)
         self.layers = layers
 
     def load(self, units: list[Unit]) -> int:

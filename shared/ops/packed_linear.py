@@ -44,16 +44,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear for inference whose weight lives only in the packed copy (`keep_weight` keeps the original as
-    `weight` too: a tied LM head, whose tensor the embedding holds anyway, or a layer read elsewhere)."""
+    """A linear layer for inference whose weight [O, I] lives only in the packed copy (`keep_weight` keeps the
+    original as `weight` too: a tied LM head, whose tensor the embedding holds anyway, or a layer read elsewhere)."""
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight)                 # not a buffer: .to() and state_dict skip it
-        self.bias = linear.bias
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_weight(weight)                        # not a buffer: .to() and state_dict skip it
+        self.packed_nbytes = weight.numel() * weight.element_size()
+        self.bias = bias
         if keep_weight:
-            self.weight = linear.weight
+            self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias)
@@ -71,5 +72,6 @@ def pack_linears(model: nn.Module, keep_weight: tuple[str, ...] = (), skip: tupl
     for name, m in todo:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(m, keep_weight=bool(keep_weight) and name.endswith(keep_weight)))
+        keep = bool(keep_weight) and name.endswith(keep_weight)
+        setattr(parent, attr, PackedLinear(m.weight, m.bias, keep_weight=keep))
     return len(todo)

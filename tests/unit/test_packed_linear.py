@@ -18,7 +18,7 @@ def test_packed_linear_equals_f_linear(shape, bias):
     lin = nn.Linear(576, 960, bias=bias).to(torch.bfloat16)
     x = torch.randn(*shape, dtype=torch.bfloat16)
     want = F.linear(x, lin.weight, lin.bias)
-    got = PackedLinear(lin)(x)
+    got = PackedLinear(lin.weight, lin.bias)(x)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert torch.equal(got, want)
 

@@ -287,3 +287,26 @@ def test_configs_name_the_shards():
                       (ServeConfig, ["--expert-shards", "-1"])):
         with pytest.raises(ValueError):
             parse(cls, argv)
+
+
+def test_bf16_shards_prepack_their_units_and_compute_what_plain_weights_compute(tiny_llama, tiny_mixtral,
+                                                                                monkeypatch):
+    """bf16 on CPU: dense slices and experts are PackedLinears (shared.ops.packed_linear), bit-identical to the
+    F.linear of the same bf16 weights, with the same byte count."""
+    from services.experts import shard as shard_mod
+    from shared.ops.packed_linear import PackedLinear, packing_available
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    for path, dense in ((tiny_llama[0], True), (tiny_mixtral[0], False)):
+        packed = ExpertShard(path, Placement(2, 0 if dense else 6), 0, torch.bfloat16, torch.device("cpu"))
+        with monkeypatch.context() as m:
+            m.setattr(shard_mod, "_prepacked", lambda w: w)
+            plain = ExpertShard(path, Placement(2, 0 if dense else 6), 0, torch.bfloat16, torch.device("cpu"))
+        unit = next(iter(packed.layers[0].values()))
+        assert type(unit.gate_up) is PackedLinear and type(unit.down) is PackedLinear
+        assert packed.weight_bytes == plain.weight_bytes > 0
+        x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+        units = sorted(packed.layers[0])
+        ids = torch.tensor([units[i % len(units)] for i in range(5)], dtype=torch.int32)
+        with torch.inference_mode():
+            assert torch.equal(packed.forward(0, x, ids), plain.forward(0, x, ids))
