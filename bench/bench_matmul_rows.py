@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.ops.packed_linear import pack_weight, packed_linear, packing_available  # noqa: E402
+
 SHAPES = [(960, 576), (576, 576), (2 * 1536, 576), (576, 1536)]          # (out, in) of each linear of a layer
 
 
 def step_ms(layers: list[list[torch.Tensor]], rows: int, reps: int, packed: bool = False) -> float:
-    from shared.ops.packed_linear import pack_weight, packed_linear
-
     dtype = layers[0][0].dtype
     xs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
     ops = [[(w.shape[1], pack_weight(w) if packed else w) for w in ws] for ws in layers]
@@ -52,8 +52,6 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{'dtype':11} {'rows':>4} {'ms/step':>8} {'vs 1 row':>8}")
-    from shared.ops.packed_linear import packing_available
-
     kinds = [("float32", torch.float32, False), ("bfloat16", torch.bfloat16, False)]
     kinds += [("bf16-packed", torch.bfloat16, True)] if packing_available() else []
     for name, dtype, packed in kinds:

@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
-from shared.engine.config import DTYPE_HELP, check_dtype, check_draft_confidence, check_tree_shape
+from shared.engine.config import (DTYPE_HELP, check_draft_confidence, check_dtype, check_speculative_max_seqs,
+                                  check_tree_shape)
 
 
 @dataclass(slots=True)
@@ -71,8 +72,7 @@ class ServeConfig:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
-        if self.speculative_max_seqs < 0:
-            raise ValueError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
+        check_speculative_max_seqs(self.speculative_max_seqs)
         if self.draft_num_threads is not None and self.draft_num_threads < 1:
             raise ValueError(f"draft_num_threads must be at least 1, got {self.draft_num_threads}")
         if self.target_replicas < 1:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import (DTYPE_HELP, EngineConfig, check_draft_confidence, check_dtype, check_tree_shape,
+from shared.engine.config import (DTYPE_HELP, EngineConfig, check_draft_confidence, check_dtype,
+                                  check_speculative_max_seqs, check_tree_shape,
                                   resolve_device, serving_dtype)
 
 
@@ -67,8 +68,7 @@ class TargetConfig:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
-        if self.speculative_max_seqs < 0:
-            raise ValueError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
+        check_speculative_max_seqs(self.speculative_max_seqs)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:

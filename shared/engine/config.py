@@ -34,8 +34,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
-        if self.speculative_max_seqs < 0:
-            raise ValueError(f"speculative_max_seqs must be >= 0, got {self.speculative_max_seqs}")
+        check_speculative_max_seqs(self.speculative_max_seqs)
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         check_draft_confidence(self.draft_confidence)
@@ -77,6 +76,12 @@ def check_draft_confidence(value: float | None) -> None:
     """The one check of a draft_confidence setting (target, draft and serve configs)."""
     if value is not None and not 0.0 <= value < 1.0:
         raise ValueError(f"draft_confidence must be in [0, 1), got {value}")
+
+
+def check_speculative_max_seqs(value: int) -> None:
+    """The one check of a speculative_max_seqs setting (engine, target and serve configs): 0 = always."""
+    if value < 0:
+        raise ValueError(f"speculative_max_seqs must be >= 0 (0 = always speculate), got {value}")
 
 
 def check_tree_shape(nodes: int | None, width: int = 4) -> None:

@@ -89,10 +89,9 @@ class EagleHead(nn.Module):
     def pack(self) -> None:
         """Serving only (not trainable after): bf16 CPU weights prepacked for oneDNN (shared.ops.packed_linear),
         bit-identical and about 2x faster; a no-op elsewhere."""
-        if packable(self.input_layernorm.weight):
-            pack_linears(self)
-            if self.head_rows is not None:
-                self.packed_rows = pack_weight(self.head_rows)
+        pack_linears(self)
+        if self.head_rows is not None and packable(self.head_rows):
+            self.packed_rows = pack_weight(self.head_rows)
 
     def attach_target(self, embed: torch.Tensor, norm: nn.Module, lm_head: torch.Tensor) -> None:
         self.embed = embed

@@ -3,7 +3,7 @@
 `F.linear` on a bf16 CPU tensor hands the [out, in] weight to oneDNN, which reorders it into its blocked layout on
 every call: at the few rows of a decode or a verification step that reorder is about half the cost. Packing once
 at load (as torch.compile's CPU freezing does) runs the same oneDNN kernel on the packed copy, so the result is
-bit-identical to `F.linear` and about 2x faster on this project's CPUs (bench/bench_matmul_rows.py --packed).
+bit-identical to `F.linear` and about 2x faster on this project's CPUs (bench/bench_matmul_rows.py: bf16-packed).
 The torch reference is `F.linear` itself (tests/unit/test_packed_linear.py).
 
 fp32 stays on `F.linear` (MKL): the fp32 paths are the ones tested exactly against transformers.
@@ -68,10 +68,9 @@ def pack_linears(model: nn.Module, keep_weight: tuple[str, ...] = (), skip: tupl
     ends with an entry of `skip` stay as they are, those ending with one of `keep_weight` keep `weight` too.
     -> the number of layers packed (0 where packing does not apply: another dtype or device, no oneDNN)."""
     todo = [(name, m) for name, m in model.named_modules()
-            if type(m) is nn.Linear and packable(m.weight) and not name.endswith(skip or ("\0",))]
+            if type(m) is nn.Linear and packable(m.weight) and not name.endswith(skip)]
     for name, m in todo:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        keep = bool(keep_weight) and name.endswith(keep_weight)
-        setattr(parent, attr, PackedLinear(m.weight, m.bias, keep_weight=keep))
+        setattr(parent, attr, PackedLinear(m.weight, m.bias, keep_weight=name.endswith(keep_weight)))
     return len(todo)

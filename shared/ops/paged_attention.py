@@ -55,7 +55,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-          causal: bool = False) -> torch.Tensor:
+                  causal: bool = False) -> torch.Tensor:
     """Grouped-query attention: q [B, H, Q, Dh], k / v [B, KVH, L, Dh], mask [B or 1, 1, Q or 1, L] bool (True =
     attend) -> [B, H, Q, Dh]. Query head h reads KV head h // (H / KVH). The G = H / KVH heads of a group are
     folded into the query rows ([B, KVH, G Q, Dh]) rather than passed as enable_gqa: with a mask that takes

@@ -83,5 +83,8 @@ def test_no_drafts_while_more_sequences_run_than_speculative_max_seqs(tmp_path):
             out.setdefault(d.request_id, []).extend(d.token_ids)
     assert [out[f"r{i}"] for i in range(3)] == plain
     assert seen and max(seen) <= 2                        # never asked with three running
-    with pytest.raises(ValueError, match="speculative_max_seqs"):
-        EngineConfig(speculative_max_seqs=-1)
+    from services.launcher import ServeConfig
+    from services.target.config import TargetConfig
+    for cls in (EngineConfig, TargetConfig, ServeConfig):
+        with pytest.raises(ValueError, match="speculative_max_seqs"):
+            cls(speculative_max_seqs=-1)
