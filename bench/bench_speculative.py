@@ -21,7 +21,8 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
     e.g. eagle-draft-fixed, always asks for K tokens instead of adapting K to each request's acceptance; NAME@X
     stops a draft below path probability X instead of the head's own setting, e.g. eagle-draft@0 never stops early;
     NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains;
-    NAME+N speculates only while at most N sequences run, --speculative-max-seqs N)
+    NAME+N speculates only while at most N sequences run, --speculative-max-seqs N; NAME*N runs the target's
+    steps over 4 or more rows on N threads, --wide-threads N, e.g. plain*1 against the default of --wide-threads)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -55,15 +56,18 @@ PROMPTS = [
 ]
 
 
-def serve_args(name: str, head: str, k: int, threads: int, dtype: str) -> list[str]:
+def serve_args(name: str, head: str, k: int, threads: int, dtype: str, wide_threads: int) -> list[str]:
     """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32),
     NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for), NAME/N sets
-    --draft-tree-nodes N (e.g. eagle-draft/0: chains), NAME+N --speculative-max-seqs N."""
+    --draft-tree-nodes N (e.g. eagle-draft/0: chains), NAME+N --speculative-max-seqs N, NAME*N --wide-threads N
+    (else the bench's --wide-threads)."""
     name, _, own = name.partition(":")
+    name, _, wide = name.partition("*")
     name, _, max_seqs = name.partition("+")
     name, _, nodes = name.partition("/")
     name, _, conf = name.partition("@")
-    base = ["--num-threads", str(threads), "--num-speculative-tokens", str(k), "--dtype", own or dtype]
+    base = ["--num-threads", str(threads), "--wide-threads", wide or str(wide_threads), "--num-speculative-tokens",
+            str(k), "--dtype", own or dtype]
     if conf:
         base += ["--draft-confidence", conf]
     if nodes:
@@ -108,7 +112,8 @@ def measure_stacks(args) -> dict[str, dict[str, dict[str, float]]]:
     try:
         for name in args.configs:
             tmp = Path(tempfile.mkdtemp(prefix=f"bench-spec-{name.replace('/', '_')}-"))
-            stacks[name] = Stack(tmp, serve_args(name, args.head, args.k, args.threads, args.dtype))
+            stacks[name] = Stack(tmp, serve_args(name, args.head, args.k, args.threads, args.dtype,
+                                                 args.wide_threads))
         for name, stack in stacks.items():
             stack.wait_ready(600)
             channels.append(grpc.insecure_channel(stack.address))
@@ -187,6 +192,9 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="target threads (1 avoids OpenMP stalls on a busy machine)")
+    p.add_argument("--wide-threads", type=int, default=os.cpu_count() or 1,
+                   help="target threads of steps over 4 or more rows (a verification's K + 1 rows, prefill, big "
+                        "batches: compute-bound where one-row decode steps are memory-bound); default: every core")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--batch1-requests", type=int, default=4, help="sequential requests measured at batch 1")
     p.add_argument("--configs", nargs="+", default=["plain", "eagle-draft", "eagle-inproc"])

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
 from shared.engine.config import (DTYPE_HELP, check_draft_confidence, check_dtype, check_speculative_max_seqs,
-                                  check_tree_shape)
+                                  check_tree_shape, check_wide_threads)
 
 
 @dataclass(slots=True)
@@ -27,6 +27,8 @@ class ServeConfig:
     kv_cache_gb: float = option(1.0, "target KV cache size in GiB")
     max_num_seqs: int = option(64, "target: most sequences in the running batch")
     num_threads: int | None = option(None, "target: torch CPU threads")
+    wide_threads: int | None = option(None, "target: torch CPU threads of forward steps over 4 or more rows "
+                                            "(verification, prefill, big batches; default: --num-threads)")
     draft_num_threads: int | None = option(None, "draft service: torch CPU threads (default: every core; at batch 1 "
                                                  "the draft and the target take turns, so each may use them all)")
     device: str = option("auto", "target device: cpu, cuda or auto")
@@ -73,6 +75,7 @@ class ServeConfig:
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_speculative_max_seqs(self.speculative_max_seqs)
+        check_wide_threads(self.wide_threads)
         if self.draft_num_threads is not None and self.draft_num_threads < 1:
             raise ValueError(f"draft_num_threads must be at least 1, got {self.draft_num_threads}")
         if self.target_replicas < 1:
@@ -176,6 +179,7 @@ def main(args: argparse.Namespace) -> None:
     cfg = config_from_args(ServeConfig, args)
     model = ["--model", cfg.model] if cfg.model else []
     threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
+    threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []
     procs: list[subprocess.Popen] = []
     def on_signal(signum, frame) -> None:
         raise KeyboardInterrupt

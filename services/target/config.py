@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from shared.config import option
 from shared.engine.config import (DTYPE_HELP, EngineConfig, check_draft_confidence, check_dtype,
-                                  check_speculative_max_seqs, check_tree_shape,
+                                  check_speculative_max_seqs, check_tree_shape, check_wide_threads,
                                   resolve_device, serving_dtype)
 
 
@@ -23,6 +23,10 @@ class TargetConfig:
     max_num_batched_tokens: int = option(512, "most tokens per forward step (chunked-prefill budget)")
     max_model_len: int | None = option(None, "context window in tokens (default: the model's)")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
+    wide_threads: int | None = option(None, "torch CPU threads of forward steps over 4 or more rows (a draft "
+                                            "verification's K + 1 rows, prefill, big batches): those are "
+                                            "compute-bound on CPU, where a decode step's few rows are memory-bound "
+                                            "(default: --num-threads)")
     progress: bool = option(True, "show a progress bar while loading")
     enable_prefix_caching: bool = option(True, "reuse computed KV blocks across requests with a common prefix")
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
@@ -69,6 +73,7 @@ class TargetConfig:
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_speculative_max_seqs(self.speculative_max_seqs)
+        check_wide_threads(self.wide_threads)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:
@@ -88,7 +93,8 @@ class TargetConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=dtype, block_size=self.block_size,
                             kv_cache_gb=self.kv_cache_gb, num_kv_blocks=self.num_kv_blocks,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            max_model_len=self.max_model_len, num_threads=self.num_threads, progress=self.progress,
+                            max_model_len=self.max_model_len, num_threads=self.num_threads,
+                            wide_threads=self.wide_threads, progress=self.progress,
                             enable_prefix_caching=self.enable_prefix_caching, speculative=self.speculative,
                             num_speculative_tokens=self.num_speculative_tokens,
                             adaptive_speculation=self.adaptive_speculation,

@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512     # tokens per forward step (chunked prefill budget)
     max_model_len: int | None = None      # None = the model's context window
     num_threads: int | None = None        # torch intra-op threads on cpu
+    wide_threads: int | None = None       # threads of forward steps of WIDE_ROWS rows or more (None = num_threads)
     progress: bool = True                 # progress bar while loading
     enable_prefix_caching: bool = True    # reuse computed full blocks across requests
     speculative: str | None = None        # proposer: "ngram" or "draft-model:PATH" (None = no speculation)
@@ -35,6 +36,7 @@ class EngineConfig:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
         check_speculative_max_seqs(self.speculative_max_seqs)
+        check_wide_threads(self.wide_threads)
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         check_draft_confidence(self.draft_confidence)
@@ -82,6 +84,15 @@ def check_speculative_max_seqs(value: int) -> None:
     """The one check of a speculative_max_seqs setting (engine, target and serve configs): 0 = always."""
     if value < 0:
         raise ValueError(f"speculative_max_seqs must be >= 0 (0 = always speculate), got {value}")
+
+
+WIDE_ROWS = 4      # a forward step over at least this many rows is "wide" (verification, prefill, a batch)
+
+
+def check_wide_threads(value: int | None) -> None:
+    """The one check of a wide_threads setting (engine, target and serve configs): None or >= 1."""
+    if value is not None and value < 1:
+        raise ValueError(f"wide_threads must be at least 1, got {value}")
 
 
 def check_tree_shape(nodes: int | None, width: int = 4) -> None:

@@ -6,13 +6,14 @@ tests and benchmarks call it directly (`generate`).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from shared import telemetry
 from shared.engine.beam import BeamGroup
-from shared.engine.config import EngineConfig
+from shared.engine.config import WIDE_ROWS, EngineConfig
 from shared.engine.model_runner import ModelRunner
 from shared.engine.proposers import make_proposer
 from shared.engine.rejection import verify_greedy, verify_sampled
@@ -46,6 +47,7 @@ class LLMEngine:
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        self.threads = cfg.num_threads or torch.get_num_threads()    # of one-row (decode) steps
         self.model_path = resolve_model_path(cfg.model)
         device, dtype = cfg.torch_device(), cfg.torch_dtype()
         window = load_config(self.model_path).max_position_embeddings
@@ -140,8 +142,8 @@ class LLMEngine:
         if traced:
             self._step_ns = telemetry.now_ns()
             telemetry.prefill_starting(batch.seqs)
-        with telemetry.step_scope(traced):           # expert dispatch spans (parent: the first traced request)
-            logits, groups = self.runner.run(batch)
+        with telemetry.step_scope(traced), self._step_threads(sum(batch.num_tokens)):
+            logits, groups = self.runner.run(batch)      # expert dispatch spans (parent: the first traced request)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             if not seq.spec_tokens:
@@ -264,6 +266,20 @@ class LLMEngine:
             if tokens:
                 seq.token_ids.extend(tokens)
                 seq.spec_tokens, seq.spec_probs, seq.spec_parents = list(tokens), probs, parents
+
+    @contextmanager
+    def _step_threads(self, rows: int):
+        """A step over few rows (decode) is memory-bound on CPU and runs on `num_threads`; a wide one (a draft
+        verification's K + 1 rows, a prefill, a big batch) is compute-bound and runs on `wide_threads` when set."""
+        wide = self.cfg.wide_threads
+        if not wide or rows < WIDE_ROWS or wide == self.threads:
+            yield
+            return
+        torch.set_num_threads(wide)              # per calling thread with OpenMP: set and reset where the step runs
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self.threads)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Delta:
         """logits [K + 1, V] of a sequence that carried K draft tokens: accept, roll back, emit."""
