@@ -22,7 +22,8 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
     stops a draft below path probability X instead of the head's own setting, e.g. eagle-draft@0 never stops early;
     NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains;
     NAME+N speculates only while at most N sequences run, --speculative-max-seqs N; NAME*N runs the target's
-    steps over 4 or more rows on N threads, --wide-threads N, e.g. plain*1 against the default of --wide-threads)
+    steps over 4 or more rows on N threads, --wide-threads N, e.g. plain*1 against the default of --wide-threads;
+    NAME=DIR drafts with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -60,7 +61,9 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str, wide_thre
     """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32),
     NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for), NAME/N sets
     --draft-tree-nodes N (e.g. eagle-draft/0: chains), NAME+N --speculative-max-seqs N, NAME*N --wide-threads N
-    (else the bench's --wide-threads)."""
+    (else the bench's --wide-threads), NAME=DIR the head in DIR."""
+    name, _, other = name.partition("=")
+    head = other or head
     name, _, own = name.partition(":")
     name, _, wide = name.partition("*")
     name, _, max_seqs = name.partition("+")

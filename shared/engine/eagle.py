@@ -47,6 +47,8 @@ class EagleConfig:
     draft_confidence: float = 0.0   # serving default: stop a draft once its path probability falls below this
     tree_nodes: int = 0             # serving default: tree nodes per step, shared by greedy sequences (0: chains)
     tree_width: int = 4             # candidates kept per depth of a tree
+    tree_ngram: int = 0             # serving default: graft prompt lookup's continuation of up to this many tokens
+                                    # onto each greedy tree (0: off)
 
     @classmethod
     def read(cls, folder: str) -> "EagleConfig":

@@ -16,9 +16,10 @@ from torch.nn.utils.rnn import pad_sequence
 from shared.engine.config import check_draft_confidence, check_tree_shape
 from shared.engine.eagle import EagleHead, causal_mask
 from shared.engine.eagle_tree import draft_trees
-from shared.engine.proposers import NO_PROPOSAL, Proposal
+from shared.engine.proposers import NO_PROPOSAL, Proposal, prompt_lookup
 from shared.engine.sampler import probs_from_logits
 from shared.engine.sequence import Sequence
+from shared.engine.tree import graft_chain
 
 
 class HeadState:
@@ -45,14 +46,17 @@ class HeadState:
 class EagleProposer:
     wants_hidden = True
 
-    def __init__(self, head: EagleHead, min_confidence: float = 0.0, tree_nodes: int = 0, tree_width: int = 4
-                 ) -> None:
+    def __init__(self, head: EagleHead, min_confidence: float = 0.0, tree_nodes: int = 0, tree_width: int = 4,
+                 tree_ngram: int = 0) -> None:
         check_draft_confidence(min_confidence)
         check_tree_shape(tree_nodes, tree_width)
+        if tree_ngram < 0:
+            raise ValueError(f"tree_ngram must be >= 0 (0 = off), got {tree_ngram}")
         self.head = head
         self.min_confidence = min_confidence          # 0 = always draft the K tokens asked for
         self.tree_nodes, self.tree_width = tree_nodes, tree_width    # greedy sequences get trees (0 = chains):
         # tree_nodes per step, split among the greedy sequences of the batch
+        self.tree_ngram = tree_ngram                  # prompt lookup's continuation grafted onto each tree (0 = off)
         self.states: dict[int, HeadState] = {}
 
     # ---------------------------------------------------------------- features in
@@ -102,7 +106,7 @@ class EagleProposer:
             for r, prop in zip(trees, draft_trees(self.head, [states[r] for r in trees], last[trees],
                                                   [min(ks[live[r]], nodes) for r in trees],
                                                   min(self.tree_width, nodes), nodes)):
-                out[live[r]] = prop
+                out[live[r]] = self._graft(seqs[live[r]], prop, min(ks[live[r]], self.tree_ngram), nodes // 2)
         # 3) the others: up to K draft steps; step j > 0 feeds back the predicted feature and drafted token. A row
         # stops early once the head's own probability of its draft path (the product of its tokens' probabilities)
         # would fall below min_confidence: the head is well calibrated, so unlikely drafts are not worth their step.
@@ -138,6 +142,19 @@ class EagleProposer:
             if b not in in_tree:
                 out[i] = Proposal(tokens[b], torch.stack(probs[b]) if probs[b] else None)
         return out
+
+    @staticmethod
+    def _graft(seq: Sequence, prop: Proposal, length: int, max_new: int) -> Proposal:
+        """The tree with prompt lookup's continuation (the tokens that followed the latest earlier occurrence of the
+        sequence's last 3, else 2 tokens; up to `length`) as one more branch, adding at most max_new nodes: text
+        that repeats its context (lists, code, quotes) is drafted where the head is unsure."""
+        if length < 1 or max_new < 1:
+            return prop
+        chain = prompt_lookup(seq.token_ids, length, max_n=3, min_n=2)
+        if not chain:
+            return prop
+        tokens, parents = graft_chain(prop.tokens, prop.parents, chain, max_new)
+        return Proposal(tokens, None, parents)
 
     def _run(self, states: list[HeadState], feats: list[torch.Tensor], toks: list[torch.Tensor],
              pos: list[torch.Tensor]) -> torch.Tensor:
@@ -215,4 +232,5 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
         raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
                          f"{head.embed.shape[0]}")
     return EagleProposer(head, head.cfg.draft_confidence if min_confidence is None else min_confidence,
-                         head.cfg.tree_nodes if tree_nodes is None else tree_nodes, head.cfg.tree_width)
+                         head.cfg.tree_nodes if tree_nodes is None else tree_nodes, head.cfg.tree_width,
+                         head.cfg.tree_ngram)

@@ -340,6 +340,10 @@ class LLMEngine:
             keep = min(n, seq.num_computed_tokens - start)
             path = self.tree_paths.pop(seq.seq_id, None)
             if keep > 0 and not seq.is_finished and seq.request_id not in self.beam_groups:
+                if 0 < start == seq.num_cached_tokens:                # a prefix-cache hit: its features, cached
+                    past = self.runner.cached_hidden(seq.block_table, start)
+                    if past is not None:
+                        self.proposer.accept_hidden(seq, 0, past)
                 rows = hidden[row:row + keep]
                 if path is not None:                                   # a tree: the root, then the accepted path
                     rows = hidden[row:row + n][torch.tensor([0] + [1 + a for a in path][:keep - 1])]

@@ -26,6 +26,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        self.num_blocks, self.dtype = num_blocks, dtype
         kvh, dh, shared = kv_cache_layout(model, cfg)
         shape = (num_blocks, block_size, kvh, dh)
         self.kv_caches = []
@@ -34,6 +35,10 @@ class ModelRunner:
             self.kv_caches.append((k, k if shared else torch.zeros(shape, dtype=dtype, device=device)))
         self.last_hidden: torch.Tensor | None = None     # [T, D] of the last run, when capture is on
         self._capture = None
+        # When capture is on, the hidden states of every position in the cache, beside its KV (slot by slot), so that
+        # a prefix-cache hit can give an EAGLE head the prompt's features without recomputing them.
+        self.hidden_cache: torch.Tensor | None = None   # [NB * BS, D]
+        self.hidden_ok: torch.Tensor | None = None      # [NB] bool: the block's rows were all written while capturing
 
     def capture_hidden(self) -> None:
         """From now on keep a reference (no copy) to each step's last hidden states before the final norm, which
@@ -47,6 +52,21 @@ class ModelRunner:
         def keep(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             self.last_hidden = args[0]                                             # [T, D]
         self._capture = norm.register_forward_pre_hook(keep)
+        self.hidden_cache = torch.zeros(self.num_blocks * self.block_size, self.cfg.hidden_size, dtype=self.dtype,
+                                        device=self.device)
+        self.hidden_ok = torch.zeros(self.num_blocks, dtype=torch.bool, device=self.device)
+
+    def cached_hidden(self, table: list[int], length: int) -> torch.Tensor | None:
+        """The hidden states [length, D] of a sequence's first `length` positions from the hidden cache, or None
+        where capture is off or one of their blocks was (partly) computed before it was on."""
+        if self.hidden_cache is None or length < 1:
+            return None
+        bs = self.block_size
+        blocks = torch.tensor(table[:(length + bs - 1) // bs], device=self.device)
+        if not bool(self.hidden_ok[blocks].all()):
+            return None
+        slots = (blocks[:, None] * bs + torch.arange(bs, device=self.device)[None, :]).flatten()[:length]
+        return self.hidden_cache[slots]
 
     @staticmethod
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -111,6 +131,11 @@ class ModelRunner:
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
+        if self.hidden_cache is not None:
+            bs = self.block_size
+            rows = self.hidden_cache.view(self.num_blocks, bs, -1)
+            rows[dst] = rows[src]
+            self.hidden_ok[dst] = self.hidden_ok[src]
 
     @torch.inference_mode()
     def move_kv(self, table: list[int], moves: list[tuple[int, int]]) -> None:
@@ -125,6 +150,8 @@ class ModelRunner:
             for cache in (k, v) if v is not k else (k,):
                 flat = cache.view(-1, *cache.shape[2:])                               # [NB * BS, KVH, Dh]
                 flat[dst] = flat[src]
+        if self.hidden_cache is not None:
+            self.hidden_cache[dst] = self.hidden_cache[src]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
@@ -132,5 +159,9 @@ class ModelRunner:
         per sequence (one row, or K + 1 for a sequence verifying K draft tokens)."""
         input_ids, positions, meta, rows, which = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)           # [T, D]
+        if self.hidden_cache is not None and self.last_hidden is not None:
+            self.hidden_cache.index_copy_(0, meta.slot_mapping, self.last_hidden.to(self.dtype))
+            firsts = meta.slot_mapping[meta.slot_mapping % self.block_size == 0]    # a block (re)written from its start
+            self.hidden_ok[firsts // self.block_size] = True
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)   # [N, V]
         return logits, which

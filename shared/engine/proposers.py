@@ -40,20 +40,23 @@ class Proposer(Protocol):
     #     def accept_hidden(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None
 
 
+def prompt_lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens, for n = max_n .. min_n
+    (the longest n that occurs); [] when none does."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):       # the latest earlier occurrence
+            if tokens[i:i + n] == tail:
+                return tokens[i + n:i + n + k]
+    return []
+
+
 class NgramProposer:
     def __init__(self, max_n: int = 3) -> None:
         self.max_n = max_n
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        return [Proposal(self._lookup(s.token_ids, k)) for s, k in zip(seqs, ks)]
-
-    def _lookup(self, tokens: list[int], k: int) -> list[int]:
-        for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
-            tail = tokens[-n:]
-            for i in range(len(tokens) - n - 1, -1, -1):       # the latest earlier occurrence
-                if tokens[i:i + n] == tail:
-                    return tokens[i + n:i + n + k]
-        return []
+        return [Proposal(prompt_lookup(s.token_ids, k, self.max_n)) for s, k in zip(seqs, ks)]
 
     def release(self, seq_id: int) -> None:
         pass

@@ -78,6 +78,25 @@ def walk_greedy(target_logits: torch.Tensor, tokens: list[int], parents: list[in
         node = nxt
 
 
+def graft_chain(tokens: list[int], parents: list[int], chain: list[int], max_new: int
+                ) -> tuple[list[int], list[int]]:
+    """Adds `chain`, a candidate continuation from the root (e.g. prompt lookup's), to a tree as one more branch:
+    it follows the nodes that already carry its tokens and appends at most `max_new` of the rest as new nodes, each
+    the child of the one before -> (tokens, parents). Verification then accepts the longer of the two."""
+    tokens, parents = list(tokens), list(parents)
+    node = -1
+    for i, t in enumerate(chain):
+        nxt = next((c for c, p in enumerate(parents) if p == node and tokens[c] == t), None)
+        if nxt is None:
+            for t in chain[i:i + max_new]:
+                tokens.append(t)
+                parents.append(node)
+                node = len(tokens) - 1
+            break
+        node = nxt
+    return tokens, parents
+
+
 def compaction(path: list[int]) -> list[tuple[int, int]]:
     """(from, to) offsets past the root of the accepted nodes' KV: node path[j] sits at 1 + path[j] and belongs at
     1 + j. Moves in this order never overwrite a source still to be read (path[j] >= j, increasing)."""

@@ -34,21 +34,47 @@ def tiny_eagle(tiny):
 
 
 @pytest.fixture(scope="module")
+def tiny_eagle_ngram(tiny_eagle):
+    """The same head with prompt lookup grafted onto its trees (eagle.json tree_ngram = 4)."""
+    import json
+    import shutil
+    dst = f"{tiny_eagle}-ngram"
+    shutil.copytree(tiny_eagle, dst, dirs_exist_ok=True)
+    with open(f"{dst}/eagle.json") as f:
+        cfg = json.load(f)
+    with open(f"{dst}/eagle.json", "w") as f:
+        json.dump(cfg | {"tree_ngram": 4}, f)
+    return dst
+
+
+@pytest.fixture(scope="module")
 def greedy_ref(tiny):
     eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4))
     return [o[0] for o in eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("proposer", ["ngram", "draft-model", "eagle", "eagle-tree"])
-def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, greedy_ref, proposer, k):
+@pytest.mark.parametrize("proposer", ["ngram", "draft-model", "eagle", "eagle-tree", "eagle-tree-ngram"])
+def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, tiny_eagle_ngram, greedy_ref, proposer, k):
     spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}", "eagle": f"eagle:{tiny_eagle}",
-            "eagle-tree": f"eagle:{tiny_eagle}"}[proposer]
+            "eagle-tree": f"eagle:{tiny_eagle}", "eagle-tree-ngram": f"eagle:{tiny_eagle_ngram}"}[proposer]
     eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
-                                 num_speculative_tokens=k, draft_tree_nodes=6 if proposer == "eagle-tree" else 0))
+                                 num_speculative_tokens=k,
+                                 draft_tree_nodes=6 if proposer.startswith("eagle-tree") else 0))
+    grafted = []
+    if proposer == "eagle-tree-ngram":                       # count the trees that prompt lookup added nodes to
+        graft = eng.proposer._graft
+
+        def counting(seq, prop, *args):
+            out = graft(seq, prop, *args)
+            grafted.append(len(out.tokens) > len(prop.tokens))
+            return out
+        eng.proposer._graft = counting
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == greedy_ref                 # batch 8
     assert eng.generate(PROMPTS[:1], params)[0][0] == greedy_ref[0]                    # batch 1
+    if proposer == "eagle-tree-ngram":
+        assert eng.proposer.tree_ngram == 4 and any(grafted)
     assert eng.block_manager.num_used_blocks == 0
     if proposer == "draft-model":
         assert eng.proposer.blocks.num_used_blocks == 0 and not eng.proposer.mirrors

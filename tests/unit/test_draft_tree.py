@@ -12,7 +12,8 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.proposers import Proposal
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.tree import ancestor_mask, check_tree, compaction, depths, is_chain, walk_greedy
+from shared.engine.proposers import prompt_lookup
+from shared.engine.tree import ancestor_mask, check_tree, compaction, depths, graft_chain, is_chain, walk_greedy
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
 from tests.parity.test_speculative import PROMPTS, tiny  # noqa: F401 (tiny: the tiny target, a fixture)
 
@@ -34,6 +35,22 @@ def test_depths_mask_and_checks():
     for bad, n in (([-1, 1], 2), ([-1, -2], 2), ([-1, 0], 3)):
         with pytest.raises(ValueError):
             check_tree(bad, n)
+
+
+def test_graft_chain_follows_matching_nodes_and_appends_the_rest():
+    tokens = [4, 5, 6, 7, 8]                                      # a=4, b=5, c=6, d=7, e=8 (PARENTS)
+    # 4, 6 are nodes a, c; 9 and 3 are new: children of c, then of the new 9
+    assert graft_chain(tokens, PARENTS, [4, 6, 9, 3], 4) == (tokens + [9, 3], PARENTS + [2, 5])
+    assert graft_chain(tokens, PARENTS, [4, 6, 9, 3], 1) == (tokens + [9], PARENTS + [2])     # at most max_new
+    assert graft_chain(tokens, PARENTS, [5, 7], 4) == (tokens, PARENTS)                        # already there
+    assert graft_chain(tokens, PARENTS, [1, 2], 4) == (tokens + [1, 2], PARENTS + [-1, 5])     # from the root
+    assert graft_chain([], [], [1, 2], 4) == ([1, 2], [-1, 0])
+    new_tokens, new_parents = graft_chain(tokens, PARENTS, [4, 9], 4)
+    check_tree(new_parents, len(new_tokens))
+    # prompt lookup: the latest earlier occurrence of the last 3, else 2 (min_n) tokens
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 2, 3]
+    assert prompt_lookup(seq, 3) == [7, 8, 2] and prompt_lookup(seq[:7], 2) == [9, 1]      # [2, 3]; [1, 2, 3]
+    assert prompt_lookup([5, 6, 7, 6], 2) == [7, 6] and prompt_lookup([5, 6, 7, 6], 2, min_n=2) == []
 
 
 def _logits(best: list[int], vocab: int = 10) -> torch.Tensor:
