@@ -84,16 +84,16 @@ def graft_chain(tokens: list[int], parents: list[int], chain: list[int], max_new
     it follows the nodes that already carry its tokens and appends at most `max_new` of the rest as new nodes, each
     the child of the one before -> (tokens, parents). Verification then accepts the longer of the two."""
     tokens, parents = list(tokens), list(parents)
-    node = -1
-    for i, t in enumerate(chain):
-        nxt = next((c for c, p in enumerate(parents) if p == node and tokens[c] == t), None)
+    node, i = -1, 0
+    while i < len(chain):                                    # follow the nodes that already carry the chain
+        nxt = next((c for c, p in enumerate(parents) if p == node and tokens[c] == chain[i]), None)
         if nxt is None:
-            for t in chain[i:i + max_new]:
-                tokens.append(t)
-                parents.append(node)
-                node = len(tokens) - 1
             break
-        node = nxt
+        node, i = nxt, i + 1
+    for t in chain[i:i + max_new]:                           # then append the rest, each under the one before
+        tokens.append(t)
+        parents.append(node)
+        node = len(tokens) - 1
     return tokens, parents
 
 

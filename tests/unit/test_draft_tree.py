@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.proposers import Proposal
+from shared.engine.proposers import Proposal, prompt_lookup
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.proposers import prompt_lookup
 from shared.engine.tree import ancestor_mask, check_tree, compaction, depths, graft_chain, is_chain, walk_greedy
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
 from tests.parity.test_speculative import PROMPTS, tiny  # noqa: F401 (tiny: the tiny target, a fixture)
