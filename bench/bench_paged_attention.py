@@ -1,6 +1,8 @@
 """Decode paged attention on CUDA: the Triton kernel against the torch reference, in achieved GB/s.
 
 Usage: python bench/bench_paged_attention.py [--batch 32] [--context 1024] [--heads 32] [--kv-heads 8] ...
+       [--tree-nodes N]   every sequence verifies a draft tree of N nodes (N + 1 new tokens, ancestor masks) instead
+                          of decoding one token: the kernel's tree masks against the reference's
 
 Decode attention is memory-bound: each step reads every cached K and V once, B * L * KVH * Dh * 2 * bytes
 (32 x 1024 x 8 x 128 x 2 x 2 B = 134 MB for bf16), against ~4.8 TB/s of HBM on an H200 (~28 us at peak). q, the
@@ -26,24 +28,34 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def decode_batch(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device
+                 dtype: torch.dtype, device: torch.device, tree_nodes: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """One decode step: every sequence holds `context` positions, its blocks scattered over the cache."""
+    """One decode step: every sequence holds `context` positions, its blocks scattered over the cache; with
+    tree_nodes, the last tree_nodes + 1 of them are a draft tree being verified (node i's parent: (i - 1) // 2,
+    a binary tree)."""
     per_seq = (context + block_size - 1) // block_size
     num_blocks = batch * per_seq
     g = torch.Generator(device="cpu").manual_seed(0)
     tables = torch.randperm(num_blocks, generator=g).view(batch, per_seq).to(device)       # [B, MB]
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)  # [NB, BS, KVH, Dh]
     v_cache = torch.randn_like(k_cache)
-    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)                       # [B, H, Dh]
-    last = tables[:, (context - 1) // block_size] * block_size + (context - 1) % block_size
+    n = tree_nodes + 1                                                                        # new tokens each
+    q = torch.randn(batch * n, heads, head_dim, device=device, dtype=dtype)                   # [T, H, Dh]
+    pos = torch.arange(context - n, context, device=device)                                   # [n]
+    slots = (tables[:, pos // block_size] * block_size + pos % block_size).flatten()          # [T]
     meta = AttentionMetadata(
-        slot_mapping=last,                                                                    # [B]
+        slot_mapping=slots,
         block_tables=tables,
         seq_lens=torch.full((batch,), context, dtype=torch.int64, device=device),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int64, device=device),
-        num_decodes=batch, query_lens=[1] * batch, seq_lens_host=[context] * batch, max_query_len=1,
+        query_start_loc=torch.arange(0, batch * n + 1, n, dtype=torch.int64, device=device),
+        num_decodes=batch if n == 1 else 0, query_lens=[n] * batch, seq_lens_host=[context] * batch,
+        max_query_len=n,
     )
+    if tree_nodes:
+        from shared.engine.tree import ancestor_mask
+
+        mask = ancestor_mask([(i - 1) // 2 for i in range(tree_nodes)], device)                  # [n, n]
+        meta.tree_masks = {b: mask for b in range(batch)}
     return q, k_cache, v_cache, meta
 
 
@@ -56,6 +68,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--tree-nodes", type=int, default=0, help="verify a draft tree of N nodes per sequence (0: decode)")
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128], help="KV tile sizes to try")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="HBM bandwidth to compare with (H200: 4800)")
     args = ap.parse_args()
@@ -72,13 +85,14 @@ def main() -> None:
     dev = torch.device("cuda")
     dtype = DTYPES[args.dtype]
     q, k_cache, v_cache, meta = decode_batch(args.batch, args.context, args.heads, args.kv_heads, args.head_dim,
-                                             args.block_size, dtype, dev)
+                                             args.block_size, dtype, dev, args.tree_nodes)
     scale = args.head_dim ** -0.5
     kv_bytes = 2 * args.batch * args.context * args.kv_heads * args.head_dim * k_cache.element_size()
-    print(f"{torch.cuda.get_device_name()}: decode B={args.batch} L={args.context} H={args.heads} "
+    what = f"verify {args.tree_nodes}-node trees" if args.tree_nodes else "decode"
+    print(f"{torch.cuda.get_device_name()}: {what} B={args.batch} L={args.context} H={args.heads} "
           f"KVH={args.kv_heads} Dh={args.head_dim} BS={args.block_size} {args.dtype}; K/V read {kv_bytes / 1e6:.1f} MB")
 
-    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)                               # [B, H, Dh]
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)                               # [T, H, Dh]
     runs: list[tuple[str, Callable[[], torch.Tensor]]] = [
         ("torch reference", partial(paged_attention_ref, q, k_cache, v_cache, meta, scale))]
     for bn in args.block_n:

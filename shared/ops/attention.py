@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
+from shared.ops.paged_attention import MAX_TREE, AttentionMetadata, paged_attention_ref
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q [T, H, Dh] against the paged cache -> [T, H, Dh]."""
-    if q.is_cuda and not meta.tree_masks:        # draft trees: the reference's masks (the kernel is causal only)
+    if q.is_cuda and all(m.shape[0] <= MAX_TREE for m in meta.tree_masks.values()):   # bigger trees: the reference
         from shared.ops.paged_attention_triton import paged_attention_triton   # imported only where it runs
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -34,6 +34,7 @@ class AttentionMetadata:
     # (row j may attend to new token i); those rows attend to the whole cached context and to the masked new tokens
     # instead of causally. Empty for plain steps.
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    tree_bits: torch.Tensor | None = None    # [T] int64, the Triton kernel's form of tree_masks (built on first use)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -132,6 +133,7 @@ def _short_extends(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out.transpose(1, 2).reshape(-1, *q.shape[1:])[valid], row_idx[valid]
 
 
+MAX_TREE = 65   # new tokens of a draft tree (root + 64 nodes) the Triton kernel masks (an int64 of bits per row)
 SHORT = 16      # sequences with at most this many new tokens are batched together
 
 

@@ -1,4 +1,5 @@
-"""Triton paged attention: one kernel for decodes, prefill chunks and speculative verification (causal new tokens).
+"""Triton paged attention: one kernel for decodes, prefill chunks and speculative verification (causal new tokens,
+or a draft tree's ancestor masks).
 
 Shapes: T = new tokens in the step (flattened), B = sequences, H = query heads, KVH = key/value heads,
 G = H // KVH (query heads per kv head), Dh = head dim, NB = physical blocks, BS = block size, MB = max blocks.
@@ -14,6 +15,10 @@ The program walks the sequence's positions [0, last causal position of the tile]
 position p to its slot through the block table (block_tables[b, p // BS] * BS + p % BS), and folds the tile into
 an online softmax (running max m, running sum l, fp32 accumulator), FlashAttention-2 style. A decode is a tile
 with one valid token; a chunk with prior context just starts its causal diagonal at seq_len - query_len.
+Draft trees (meta.tree_masks): every new-token row carries a 64-bit mask of the tree nodes it may attend
+(`tree_bits`: bit i = new token i + 1; new token 0, the root, is attended by every row; -1 = all, the rows of
+sequences without a tree); a tree's nodes come after their ancestors, so the tree mask only narrows the causal one,
+and the walk over positions stays the same. So a tree of up to 64 nodes (MAX_TREE = 65 new tokens) runs here.
 There is no split over the KV axis: a decode batch launches B * KVH programs, which fills an H200 from a few
 dozen sequences on; very long contexts at tiny batch would want a split-KV pass and a reduction.
 
@@ -34,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.ops.paged_attention import AttentionMetadata
+from shared.ops.paged_attention import MAX_TREE, AttentionMetadata
 
 LOG2E = 1.4426950408889634
 # tl.max / tl.sum are @jit wrappers around these: calling them breaks the interpreter when triton was imported before
@@ -49,13 +54,13 @@ class PagedAttentionError(ValueError):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bits_ptr,
     qk_scale,                                                   # softmax scale * log2(e): scores go through exp2
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,                 # k and v caches share one layout
     stride_btb, stride_btm,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, HAS_TREE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     b = tl.program_id(0)
@@ -71,6 +76,8 @@ def _paged_attention_kernel(
         g = offs_m % G_PAD
         row_ok = (qi < q_len) & (g < G)                         # [BM]
         q_pos = seq_len - q_len + qi                            # [BM] position of each row's token
+        if HAS_TREE:
+            bits = tl.load(bits_ptr + q_start + qi, mask=row_ok, other=-1)               # [BM] int64
         offs_d = tl.arange(0, D_PAD)                            # [D]
         d_ok = offs_d < HEAD_DIM
 
@@ -101,6 +108,11 @@ def _paged_attention_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]              # [BM, BN]
+            if HAS_TREE:
+                rel = pos - (seq_len - q_len)                   # [BN] index among the new tokens (< 0: context)
+                shift = tl.minimum(tl.maximum(rel - 1, 0), 63).to(tl.int64)
+                bit = (bits[:, None] >> shift[None, :]) & 1                          # [BM, BN]
+                causal = causal & ((rel[None, :] <= 0) | (rel[None, :] > 64) | (bit != 0))
             s = tl.where(causal, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))                               # [BM]
             alpha = tl.exp2(m_i - m_new)
@@ -116,6 +128,23 @@ def _paged_attention_kernel(
         o_rows = (q_start + qi) * stride_ot + (kvh * G + g) * stride_oh
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
+
+
+def tree_bits(meta: AttentionMetadata) -> torch.Tensor:
+    """meta.tree_masks -> [T] int64: row t's bit i set = t may attend its sequence's new token i + 1 (every row
+    attends new token 0, the tree's root); -1 (every bit) for rows of sequences without a tree. Raises
+    PagedAttentionError for a tree of more than MAX_TREE new tokens or a row that does not attend the root."""
+    bits = torch.full((int(meta.query_start_loc[-1]),), -1, dtype=torch.int64)             # [T]
+    starts = meta.query_start_loc.tolist()
+    for b, mask in meta.tree_masks.items():                                                 # mask [Q, Q] bool
+        n = mask.shape[0]
+        mask = mask.cpu()
+        if n > MAX_TREE or not mask[:, 0].all():
+            raise PagedAttentionError(f"the kernel takes draft trees of at most {MAX_TREE} new tokens whose rows "
+                                      f"all attend the root; got {n} new tokens")
+        weights = torch.ones(n - 1, dtype=torch.int64) << torch.arange(n - 1, dtype=torch.int64)   # bit 63: the sign
+        bits[starts[b]:starts[b] + n] = (mask[:, 1:].long() * weights).sum(-1)
+    return bits.to(meta.query_start_loc.device)
 
 
 def _tiles(group: int, max_query_len: int, block_n: int | None) -> tuple[int, int, int]:
@@ -161,17 +190,23 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty((t, h, dh), dtype=torch.float32 if interpreting else q.dtype, device=q.device)  # [T, H, Dh]
     if t == 0 or num_seqs == 0:
         return out.to(q.dtype)
+    bits = None
+    if meta.tree_masks:
+        if meta.tree_bits is None:                              # once per step: every layer shares the metadata
+            meta.tree_bits = tree_bits(meta)
+        bits = meta.tree_bits
     g_pad, block_q, bn = _tiles(h // kvh, meta.max_query_len, block_n)
     bt = meta.block_tables                                                  # [B, MB]
     grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), kvh)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, bt, meta.seq_lens, meta.query_start_loc,
+        bits if bits is not None else meta.seq_lens,                        # (not read without a tree)
         scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         bt.stride(0), bt.stride(1),
         G=h // kvh, G_PAD=g_pad, HEAD_DIM=dh, D_PAD=max(16, triton.next_power_of_2(dh)), BLOCK_SIZE=bs,
         BLOCK_Q=block_q, BLOCK_N=bn,
-        DOT_F32=interpreting or k_cache.dtype == torch.float32,
+        DOT_F32=interpreting or k_cache.dtype == torch.float32, HAS_TREE=bits is not None,
     )
     return out.to(q.dtype)

@@ -120,3 +120,47 @@ def test_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(PagedAttentionError, match="CUDA"):
         paged_attention_triton(q, k_cache, v_cache, meta, 0.125)
+
+
+def _random_parents(n: int, seed: int) -> list[int]:
+    """A random draft tree of n nodes in depth order (each node's parent comes before it; -1 = the root)."""
+    rng = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(-1, i, (1,), generator=rng)) for i in range(1, n)]
+
+
+@pytest.mark.parametrize("h,kvh", [(4, 2), (6, 2)], ids=str)
+def test_draft_trees_match_reference(h: int, kvh: int) -> None:
+    """Draft trees verified beside decodes and a 70-token prefill (rows past the 64 mask bits stay causal): a
+    3-node tree, a 9-node one, and a 64-node one (65 rows: the last node's bit is the int64's sign bit), each
+    against the reference with the same ancestor masks."""
+    from shared.engine.tree import ancestor_mask
+
+    trees = {2: [-1, -1, 0], 4: _random_parents(9, 2), 5: _random_parents(64, 3)}
+    lens = [(17, 1), (40, 1), (30, 4), (90, 70), (25, 10), (100, 65)]
+    q, k_cache, v_cache, meta = make_batch(lens, [(5, 0, 1)], h, kvh, 64, 16)
+    meta.tree_masks = {b: ancestor_mask(p) for b, p in trees.items()}
+    assert meta.tree_masks[5][-1].sum() < 65                           # the masks differ from causal ones
+    out = paged_attention_triton(q, k_cache, v_cache, meta, 0.125, block_n=32)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
+    meta.tree_masks, meta.tree_bits = {}, None                        # the same batch causal gives other rows
+    causal = paged_attention_triton(q, k_cache, v_cache, meta, 0.125, block_n=32)
+    starts = meta.query_start_loc.tolist()
+    for b in range(len(lens)):
+        rows = slice(starts[b], starts[b + 1])
+        if b in trees:
+            assert not torch.allclose(causal[rows], out[rows], atol=1e-3)
+        else:                                                          # the decodes and the prefill: the same
+            torch.testing.assert_close(causal[rows], out[rows], rtol=0, atol=1e-4)
+
+
+def test_tree_bits_and_tree_errors() -> None:
+    from shared.engine.tree import ancestor_mask
+
+    q, k_cache, v_cache, meta = make_batch([(9, 1), (20, 4)], [], 4, 2, 64, 16)
+    meta.tree_masks = {1: ancestor_mask([-1, 0, -1])}                  # nodes 1, 2 under the root, 3 under the root
+    assert pat.tree_bits(meta).tolist() == [-1, 0b000, 0b001, 0b011, 0b100]
+    q, k_cache, v_cache, meta = make_batch([(80, 66)], [], 4, 2, 64, 16)
+    meta.tree_masks = {0: ancestor_mask(list(range(-1, 64)))}        # 65 nodes: 66 rows, past the kernel's bits
+    with pytest.raises(PagedAttentionError, match="at most 65"):
+        paged_attention_triton(q, k_cache, v_cache, meta, 0.125)
