@@ -44,6 +44,12 @@ class TargetConfig:
                                                 "per depth, up to K depths, verified in one pass) of this many "
                                                 "nodes per step, shared by the step's greedy sequences; 0 = chains "
                                                 "of K (default: the head's own, from eagle.json)")
+    draft_tree_costs: bool = option(True, "eagle trees (local, or of a draft service on a Verify stream) keep "
+                                          "only the best nodes that pay for their rows: the target measures its "
+                                          "step's time by rows once, at its first speculative step, and a tree's "
+                                          "size maximises expected tokens per step cost (where rows cost, as "
+                                          "fp32 on a CPU without bf16, trees shrink or vanish); false: always "
+                                          "--draft-tree-nodes")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
     draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
                                          "Verify stream; past it those requests decode without drafts for 5 s")
@@ -100,4 +106,4 @@ class TargetConfig:
                             adaptive_speculation=self.adaptive_speculation,
                             speculative_max_seqs=self.speculative_max_seqs,
                             draft_confidence=self.draft_confidence, draft_tree_nodes=self.draft_tree_nodes,
-                            nvfp4_act_quant=self.nvfp4_act_quant)
+                            draft_tree_costs=self.draft_tree_costs, nvfp4_act_quant=self.nvfp4_act_quant)

@@ -31,6 +31,7 @@ from shared.engine.proposer_mux import ProposerMux
 from shared.engine.proposers import NO_PROPOSAL, Proposal
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
+from shared.engine.step_costs import StepCosts
 from shared.engine.tree import MAX_TREE_NODES, check_tree, depths
 from upesi.v1 import target_pb2
 
@@ -54,6 +55,8 @@ class StreamProposer:
         self.hidden: dict[int, tuple[int, list[torch.Tensor]]] = {}   # seq_id -> (first position, [M, D] pieces)
         self.step = 0
         self.waiting: tuple[int, concurrent.futures.Future] | None = None
+        self.step_costs: StepCosts | None = None   # the engine's, sent once to the draft (it sizes trees by them)
+        self.costs_sent = False
 
     def _send(self, msg: target_pb2.VerifyDown) -> None:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, msg)
@@ -68,6 +71,9 @@ class StreamProposer:
         if not self.alive or time.monotonic() < self.down_until:
             return lambda: none
         req = target_pb2.ProposeRequest()
+        if self.step_costs is not None and not self.costs_sent:
+            req.step_costs.extend(self.step_costs.costs)
+            self.costs_sent = True
         for s, k in zip(seqs, ks):
             base = min(self.sent.get(s.seq_id, 0), len(s.token_ids))
             p = s.params
@@ -102,6 +108,7 @@ class StreamProposer:
                 self.down_until = time.monotonic() + self.retry_after_s
             self.sent.clear()                     # re-send whole sequences when it answers again
             self.hidden.clear()
+            self.costs_sent = False
             return none
         out = []
         for s, k, prop in zip(seqs, ks, resp.proposals):

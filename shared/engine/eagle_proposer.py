@@ -19,6 +19,7 @@ from shared.engine.eagle_tree import draft_trees
 from shared.engine.proposers import NO_PROPOSAL, Proposal, prompt_lookup
 from shared.engine.sampler import probs_from_logits
 from shared.engine.sequence import Sequence
+from shared.engine.step_costs import StepCosts
 from shared.engine.tree import graft_chain
 
 
@@ -57,6 +58,9 @@ class EagleProposer:
         self.tree_nodes, self.tree_width = tree_nodes, tree_width    # greedy sequences get trees (0 = chains):
         # tree_nodes per step, split among the greedy sequences of the batch
         self.tree_ngram = tree_ngram                  # prompt lookup's continuation grafted onto each tree (0 = off)
+        # The target's step costs by rows (set by the engine, or sent by the target to a draft service): trees keep
+        # only the nodes that pay for their rows (shared.engine.step_costs); None = tree_nodes always
+        self.step_costs: StepCosts | None = None
         self.states: dict[int, HeadState] = {}
 
     # ---------------------------------------------------------------- features in
@@ -105,8 +109,10 @@ class EagleProposer:
             nodes = max(1, self.tree_nodes // len(trees))
             for r, prop in zip(trees, draft_trees(self.head, [states[r] for r in trees], last[trees],
                                                   [min(ks[live[r]], nodes) for r in trees],
-                                                  min(self.tree_width, nodes), nodes)):
-                out[live[r]] = self._graft(seqs[live[r]], prop, min(ks[live[r]], self.tree_ngram), nodes // 2)
+                                                  min(self.tree_width, nodes), nodes, self.step_costs, len(seqs))):
+                # the graft adds at most half the node budget, or of the nodes the step costs kept
+                out[live[r]] = self._graft(seqs[live[r]], prop, min(ks[live[r]], self.tree_ngram),
+                                           (nodes if self.step_costs is None else len(prop.tokens)) // 2)
         # 3) the others: up to K draft steps; step j > 0 feeds back the predicted feature and drafted token. A row
         # stops early once the head's own probability of its draft path (the product of its tokens' probabilities)
         # would fall below min_confidence: the head is well calibrated, so unlikely drafts are not worth their step.

@@ -19,17 +19,21 @@ N = reduced vocab, KVH = kv heads, Dh = head dim.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from shared.engine.eagle import EagleHead
 from shared.engine.proposers import Proposal
+from shared.engine.step_costs import StepCosts, tree_sizes
 
 
-def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int], width: int, max_nodes: int
-                ) -> list[Proposal]:
+def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int], width: int, max_nodes: int,
+                costs: StepCosts | None = None, base_rows: int = 0) -> list[Proposal]:
     """states: the sequences' HeadStates (real KV only), last [B, D]: each root's predicted feature, ks: each
-    sequence's depth -> one tree Proposal per sequence."""
+    sequence's depth -> one tree Proposal per sequence. With the target's step costs, only the best nodes that pay
+    for their rows are kept (shared.engine.step_costs.tree_sizes; base_rows: the step's rows without drafts)."""
     dev = last.device
     b = len(states)
     c = head.cfg
@@ -91,7 +95,12 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
             new = list(range(first, len(pool[i])))
             frontier[i] = _worth_expanding(pool[i], new, max_nodes) if d < ks[i] else []
     id_map = head.id_map.tolist()
-    return [_select(pool[i], ks[i], max_nodes, id_map) for i in range(b)]
+    ranked = [_ranked(pool[i], ks[i], max_nodes) for i in range(b)]
+    counts = [len(r) for r in ranked]
+    if costs is not None:
+        counts = tree_sizes([[math.exp(pool[i][j][0]) for j in r] for i, r in enumerate(ranked)], costs,
+                            max(base_rows, b))
+    return [_select(pool[i], ranked[i][:n], id_map) for i, n in enumerate(counts)]
 
 
 def _worth_expanding(pool: list[tuple[float, int, int, int]], nodes: list[int], max_nodes: int) -> list[int]:
@@ -104,12 +113,17 @@ def _worth_expanding(pool: list[tuple[float, int, int, int]], nodes: list[int], 
     return [j for j in nodes if pool[j][0] >= floor and pool[j][0] > float("-inf")]
 
 
-def _select(pool: list[tuple[float, int, int, int]], depth: int, max_nodes: int, id_map: list[int]) -> Proposal:
-    """The best `max_nodes` candidates up to `depth` by path probability, in depth order, as tokens of the full
-    vocab and parent indices among themselves."""
+def _ranked(pool: list[tuple[float, int, int, int]], depth: int, max_nodes: int) -> list[int]:
+    """The best `max_nodes` candidates up to `depth` by path probability, best first (a parent before its
+    children: it scores at least as high, and ties go to the shallower)."""
     order = sorted((j for j, (_, d, _, _) in enumerate(pool) if d <= depth), key=lambda j: (-pool[j][0], pool[j][1]))
-    keep = order[:max_nodes]
-    keep.sort(key=lambda j: (pool[j][1], j))                                     # parents before children
+    return order[:max_nodes]
+
+
+def _select(pool: list[tuple[float, int, int, int]], keep: list[int], id_map: list[int]) -> Proposal:
+    """Candidates `keep` (closed under ancestors) in depth order, as tokens of the full vocab and parent indices
+    among themselves."""
+    keep = sorted(keep, key=lambda j: (pool[j][1], j))                           # parents before children
     index = {j: n for n, j in enumerate(keep)}
     return Proposal([id_map[pool[j][2]] for j in keep], None, [index[pool[j][3]] if pool[j][3] >= 0 else -1
                                                                for j in keep])

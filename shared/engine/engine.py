@@ -5,6 +5,7 @@ tests and benchmarks call it directly (`generate`).
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,12 +22,15 @@ from shared.engine.sampler import probs_from_logits, sample
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
+from shared.engine.step_costs import ROWS, StepCosts, measure
 from shared.engine.tree import compaction, depths, is_chain, walk_greedy
 from shared.kv.block_manager import BlockManager
 from shared.kv.hashing import cache_extra
 from shared.model.loader import load_config, resolve_model_path
 from shared.model.registry import build_model
 from shared.quant.model_quant import set_act_quant
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -73,6 +77,7 @@ class LLMEngine:
         self.tree_paths: dict[int, list[int]] = {}               # seq_id -> this step's accepted tree nodes
         self._step_ns = 0                                        # tracing: when this step began
         self.last_step_s = 0.0
+        self.costs_measured = False                              # step costs by rows, for draft trees
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -256,6 +261,9 @@ class LLMEngine:
                     ks.append(k)
         if not seqs:
             return
+        if self.cfg.draft_tree_costs and not self.costs_measured and hasattr(self.proposer, "step_costs"):
+            self.costs_measured = True               # once: trees then keep the nodes worth their rows
+            self.proposer.step_costs = self.measure_step_costs()
         with telemetry.span_in("propose", telemetry.traced_contexts(seqs), {"upesi.seqs": len(seqs)}):
             proposals = self.proposer.propose(seqs, ks)
         for seq, (tokens, probs, parents) in zip(seqs, proposals):
@@ -371,13 +379,35 @@ class LLMEngine:
                     self.proposer.release(seq.seq_id)
             self.pending_forks.pop(seqs[0].seq_id, None)
 
+    def measure_step_costs(self, max_rows: int = 17) -> StepCosts | None:
+        """The wall time of forward steps (with logits) by rows, relative to one row (shared.engine.step_costs), on
+        the threads serving steps use; None where the free KV blocks cannot hold a scratch sequence."""
+        vocab = self.model_cfg.vocab_size
+        rows_max = max(max_rows, (self.cfg.draft_tree_nodes or 0) + 1)
+        tokens = [(7 * i + 3) % vocab for i in range(rows_max)]
+
+        def forward(rows: int) -> None:
+            with self._step_threads(rows):
+                logits = self.score(tokens[:rows], cache_salt="upesi step costs")   # no request shares its blocks
+            if logits.is_cuda:
+                torch.cuda.synchronize()
+        try:
+            costs = measure(forward, rows_max)
+        except InvalidRequest:
+            log.warning("no free KV blocks to measure step costs: draft trees keep their configured size")
+            return None
+        log.info("step cost by rows (relative to one): %s", ", ".join(f"{r}: {costs(r):.2f}" for r in ROWS
+                                                                       if r <= rows_max))
+        return costs
+
     # ---------------------------------------------------------------- offline API
     @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Teacher-forced logits [T, V] (fp32) of every position of one sequence, through the paged cache."""
+    def score(self, token_ids: list[int], cache_salt: str = "") -> torch.Tensor:
+        """Teacher-forced logits [T, V] (fp32) of every position of one sequence, through the paged cache (its
+        blocks hashed with `cache_salt`)."""
         from shared.engine.scheduler import ScheduledBatch
 
-        seq = Sequence("score", 0, token_ids, SamplingParams(temperature=0, max_tokens=1))
+        seq = Sequence("score", 0, token_ids, SamplingParams(temperature=0, max_tokens=1, cache_salt=cache_salt))
         if not self.block_manager.can_allocate(seq):
             raise InvalidRequest(f"{len(token_ids)} tokens do not fit in the free KV blocks")
         self.block_manager.allocate(seq)

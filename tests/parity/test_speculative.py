@@ -59,7 +59,7 @@ def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, tiny_eagle_ngram, gr
     spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}", "eagle": f"eagle:{tiny_eagle}",
             "eagle-tree": f"eagle:{tiny_eagle}", "eagle-tree-ngram": f"eagle:{tiny_eagle_ngram}"}[proposer]
     eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
-                                 num_speculative_tokens=k,
+                                 num_speculative_tokens=k, draft_tree_costs=False,   # trees of 6 (see below)
                                  draft_tree_nodes=6 if proposer.startswith("eagle-tree") else 0))
     grafted = []
     if proposer == "eagle-tree-ngram":                       # count the trees that prompt lookup added nodes to
@@ -80,6 +80,40 @@ def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, tiny_eagle_ngram, gr
         assert eng.proposer.blocks.num_used_blocks == 0 and not eng.proposer.mirrors
     if proposer.startswith("eagle"):
         assert eng.stats_draft > 0 and not eng.proposer.states          # it drafted, and every state was freed
+
+
+def test_step_costs_size_the_trees(tiny, tiny_eagle, greedy_ref, monkeypatch):
+    """The engine measures its step costs at the first speculative step (non-decreasing, up to 17 rows); trees
+    keep every node where rows are free and none where every row doubles the step; the output stays greedy's."""
+    import shared.engine.eagle_proposer as ep
+    from shared.engine.step_costs import StepCosts
+
+    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
+                                 speculative=f"eagle:{tiny_eagle}", num_speculative_tokens=3, draft_tree_nodes=6,
+                                 adaptive_speculation=False))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == greedy_ref
+    measured = eng.proposer.step_costs
+    assert eng.costs_measured and len(measured.costs) == 17 and measured.costs == sorted(measured.costs)
+    sizes = []
+    draft_trees = ep.draft_trees
+
+    def recording(*args, **kw):
+        out = draft_trees(*args, **kw)
+        sizes.extend(len(p.tokens) for p in out)
+        return out
+    monkeypatch.setattr(ep, "draft_trees", recording)
+    runs = {}
+    for name, costs in (("fixed", None), ("free rows", StepCosts([1.0] * 32)),
+                        ("doubling rows", StepCosts([2.0 ** r for r in range(32)]))):
+        eng.proposer.step_costs, sizes[:] = costs, []
+        d0 = eng.stats_draft
+        assert eng.generate(PROMPTS[:1], params)[0][0] == greedy_ref[0]
+        runs[name] = (list(sizes), eng.stats_draft - d0)
+    assert max(runs["fixed"][0]) == 6 and runs["fixed"][1] > 0                 # batch 1: trees of up to 6 nodes
+    assert runs["free rows"] == runs["fixed"]                                   # every node pays
+    assert runs["doubling rows"][0] and not any(runs["doubling rows"][0]) and runs["doubling rows"][1] == 0
+    assert eng.block_manager.num_used_blocks == 0
 
 
 def test_speculation_is_used_and_counted(tiny):
