@@ -23,8 +23,8 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
     NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains;
     NAME+N speculates only while at most N sequences run, --speculative-max-seqs N; NAME*N runs the target's
     steps over 4 or more rows on N threads, --wide-threads N, e.g. plain*1 against the default of --wide-threads;
-    NAME=DIR drafts with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head; NAME-nocost drafts
-    trees of the configured size instead of sizing them by the target's measured step costs, --draft-tree-costs false)
+    NAME=DIR drafts with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head; NAME-cost sizes
+    trees by the target's measured step costs, --draft-tree-costs true)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -62,8 +62,8 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str, wide_thre
     """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32),
     NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for), NAME/N sets
     --draft-tree-nodes N (e.g. eagle-draft/0: chains), NAME+N --speculative-max-seqs N, NAME*N --wide-threads N
-    (else the bench's --wide-threads), NAME=DIR the head in DIR, NAME-nocost --draft-tree-costs false (trees of
-    --draft-tree-nodes whatever the target's step costs)."""
+    (else the bench's --wide-threads), NAME=DIR the head in DIR, NAME-cost --draft-tree-costs true (trees sized by
+    the target's step costs)."""
     name, _, other = name.partition("=")
     head = other or head
     name, _, own = name.partition(":")
@@ -81,11 +81,11 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str, wide_thre
         base += ["--speculative-max-seqs", max_seqs]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
-    nocost = name.endswith("-nocost")                   # trees not sized by step costs
-    name = name.removesuffix("-nocost")
+    cost = name.endswith("-cost")                       # trees sized by the target's step costs
+    name = name.removesuffix("-cost")
     fixed = name.endswith("-fixed")                     # always K drafts (--adaptive-speculation false)
     name = name.removesuffix("-fixed")
-    base += ["--draft-tree-costs", str(not nocost).lower()]
+    base += ["--draft-tree-costs", str(cost).lower()]
     return base + ["--adaptive-speculation", str(not fixed).lower()] + {
         "plain": [], "eagle-draft": draft, "ngram-draft": ngram_draft,
         "eagle-inproc": ["--speculative", f"eagle:{head}"], "ngram": ["--speculative", "ngram"]}[name]

@@ -54,9 +54,9 @@ class ServeConfig:
                                                 "per depth, up to K depths, verified in one pass) of this many "
                                                 "nodes per step, shared by the step's greedy sequences; 0 = chains "
                                                 "of K (default: the head's own, from eagle.json)")
-    draft_tree_costs: bool = option(True, "the targets measure their step's time by rows and eagle trees (in the "
-                                          "targets or the draft service) keep only the nodes that pay for their "
-                                          "rows; false: always --draft-tree-nodes")
+    draft_tree_costs: bool = option(False, "the targets measure their step's time by rows and eagle trees (in "
+                                           "the targets or the draft service) keep only the nodes that pay for "
+                                           "their rows (see upesi target --help); false: always --draft-tree-nodes")
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")

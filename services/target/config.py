@@ -44,12 +44,14 @@ class TargetConfig:
                                                 "per depth, up to K depths, verified in one pass) of this many "
                                                 "nodes per step, shared by the step's greedy sequences; 0 = chains "
                                                 "of K (default: the head's own, from eagle.json)")
-    draft_tree_costs: bool = option(True, "eagle trees (local, or of a draft service on a Verify stream) keep "
-                                          "only the best nodes that pay for their rows: the target measures its "
-                                          "step's time by rows once, at its first speculative step, and a tree's "
-                                          "size maximises expected tokens per step cost (where rows cost, as "
-                                          "fp32 on a CPU without bf16, trees shrink or vanish); false: always "
-                                          "--draft-tree-nodes")
+    draft_tree_costs: bool = option(False, "eagle trees (local, or of a draft service on a Verify stream) keep "
+                                           "only the best nodes that pay for their rows: the target measures its "
+                                           "step's forward time by rows once, at its first speculative step, and "
+                                           "a tree's size maximises expected tokens per forward cost (where rows "
+                                           "cost, as fp32 on a CPU without bf16, trees shrink or vanish; the "
+                                           "model leaves out the drafting and other fixed costs of a step, so it "
+                                           "shrinks trees too much: off by default); false: always "
+                                           "--draft-tree-nodes")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
     draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
                                          "Verify stream; past it those requests decode without drafts for 5 s")

@@ -29,7 +29,7 @@ class EngineConfig:
     speculative_max_seqs: int = 0         # speculate only while at most this many sequences run (0 = always)
     draft_confidence: float | None = None  # eagle: stop drafting below this path probability (None = the head's)
     draft_tree_nodes: int | None = None   # eagle: tree nodes per step for greedy rows (None = the head's, 0 = chains)
-    draft_tree_costs: bool = True         # eagle trees keep the nodes that pay for their rows, by measured step costs
+    draft_tree_costs: bool = False        # eagle trees keep the nodes that pay for their rows, by measured step costs
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 

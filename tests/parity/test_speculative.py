@@ -90,7 +90,7 @@ def test_step_costs_size_the_trees(tiny, tiny_eagle, greedy_ref, monkeypatch):
 
     eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
                                  speculative=f"eagle:{tiny_eagle}", num_speculative_tokens=3, draft_tree_nodes=6,
-                                 adaptive_speculation=False))
+                                 adaptive_speculation=False, draft_tree_costs=True))
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == greedy_ref
     measured = eng.proposer.step_costs

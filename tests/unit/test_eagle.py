@@ -380,7 +380,7 @@ def test_a_packed_bf16_head_drafts_what_the_unpacked_one_drafts():
     """Serving packs a bf16 head's weights for oneDNN (EagleHead.pack): same drafts, chains and trees."""
     from shared.ops.packed_linear import PackedLinear, packing_available
     if not packing_available():
-        pytest.skip("this torch build has no oneDNN prepacked linear")
+        pytest.skip("no oneDNN prepacked bf16 linear (torch build or CPU)")
     g = torch.Generator().manual_seed(5)
     greedy = SamplingParams(temperature=0, max_tokens=50)
     seqs = [Sequence("r", 0, torch.randint(0, V, (n,), generator=g).tolist(), greedy) for n in (6, 11)]

@@ -8,7 +8,7 @@ from torch import nn
 
 from shared.ops.packed_linear import PackedLinear, pack_linears, packing_available
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN prepacked linear")
+pytestmark = pytest.mark.skipif(not packing_available(), reason="no oneDNN prepacked bf16 linear (torch build or CPU)")
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -296,7 +296,7 @@ def test_bf16_shards_prepack_their_units_and_compute_what_plain_weights_compute(
     from services.experts import shard as shard_mod
     from shared.ops.packed_linear import PackedLinear, packing_available
     if not packing_available():
-        pytest.skip("this torch build has no oneDNN prepacked linear")
+        pytest.skip("no oneDNN prepacked bf16 linear (torch build or CPU)")
     for path, dense in ((tiny_llama[0], True), (tiny_mixtral[0], False)):
         packed = ExpertShard(path, Placement(2, 0 if dense else 6), 0, torch.bfloat16, torch.device("cpu"))
         with monkeypatch.context() as m:
