@@ -49,11 +49,12 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
     pool: list[list[tuple[float, int, int, int]]] = [[(s, 1, t, -1) for s, t in zip(sc, ix)]
                                                      for sc, ix in zip(score.tolist(), idx.tolist())]
     frontier = [_worth_expanding(pool[i], list(range(width)), max_nodes) if ks[i] > 1 else [] for i in range(b)]
-    parent_feat = [{-1: last[i]} for i in range(b)]                  # pool index -> its predicted feature [D]
-    slot_of: list[dict[int, int]] = [{} for _ in range(b)]           # pool index -> its slot in tree_k / tree_v
+    slot_of: list[dict[int, int]] = [{-1: -1} for _ in range(b)]    # pool index -> its slot in tree_k / tree_v
+    node_feat = last[:, None]                                        # [B, 1 + M, D]: the root's, then slot m's at 1 + m
     tree_k = tree_v = None                                           # [B, M, KVH, Dh]
     origin = [st.origin + n for st, n in zip(states, real_lens)]     # the position of a depth-1 node
     real_mask = torch.arange(p, device=dev)[None, :] < torch.tensor(real_lens, device=dev)[:, None]   # [B, P]
+    ancestors: list[list[list[int]]] = [[] for _ in range(b)]        # slot -> the slots of its ancestors
     d = 1
     while any(frontier):
         f = max(len(fr) for fr in frontier)                          # rows this pass; shorter frontiers are padded
@@ -61,26 +62,35 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
         # shorter frontiers are padded with node 0 (a child of the root: a valid input whose output is unused)
         rows = [fr + [0] * (f - len(fr)) for fr in frontier]
         toks = head.id_map[torch.tensor([[pool[i][j][2] for j in r] for i, r in enumerate(rows)], device=dev)]  # [B, F]
-        feats = torch.stack([torch.stack([parent_feat[i][pool[i][j][3]] for j in r])
-                             for i, r in enumerate(rows)])                                             # [B, F, D]
+        # each row reads its parent's predicted feature (slot -1 + 1 = 0: the root's)
+        parent_slot = torch.tensor([[1 + slot_of[i][pool[i][j][3]] for j in r] for i, r in enumerate(rows)],
+                                   device=dev)                                                         # [B, F]
+        feats = node_feat[torch.arange(b, device=dev)[:, None], parent_slot]                          # [B, F, D]
         pos = torch.tensor([[o + d - 1] * f for o in origin], device=dev)                             # [B, F]
-        mask = torch.zeros(b, f, p + m + f, dtype=torch.bool)
+        # the tree part of the mask, built on the host: a row attends to its ancestors' slots and to itself
+        # (a padding row: only itself)
+        tree_mask = [[[False] * (m + f) for _ in range(f)] for _ in range(b)]
         for i in range(b):
             for r in range(f):
-                mask[i, r, p + m + r] = True                         # itself (a padding row: only itself)
+                row = tree_mask[i][r]
+                row[m + r] = True
                 if r < len(frontier[i]):
-                    slot_of[i][frontier[i][r]] = m + r
-                    a = pool[i][frontier[i][r]][3]
-                    while a >= 0:                                    # its ancestors
-                        mask[i, r, p + slot_of[i][a]] = True
-                        a = pool[i][a][3]
-        mask = mask.to(dev)
-        mask[:, :, :p] = real_mask[:, None, :]
+                    j = frontier[i][r]
+                    slot_of[i][j] = m + r
+                    a = slot_of[i][pool[i][j][3]]
+                    up = [] if a < 0 else ancestors[i][a] + [a]
+                    ancestors[i].append(up)
+                    for anc in up:
+                        row[anc] = True
+                else:
+                    ancestors[i].append([])
+        mask = torch.cat([real_mask[:, None, :].expand(b, f, p), torch.tensor(tree_mask, device=dev)], -1)
         past = (torch.cat([real_k] + ([tree_k] if tree_k is not None else []), 1),
                 torch.cat([real_v] + ([tree_v] if tree_v is not None else []), 1))
         out, k, v = head(feats, toks, pos, past, mask)                                                # [B, F, D]
         tree_k = k if tree_k is None else torch.cat([tree_k, k], 1)
         tree_v = v if tree_v is None else torch.cat([tree_v, v], 1)
+        node_feat = torch.cat([node_feat, out], 1)
         child_score, child_idx = head.logits(out).log_softmax(-1).topk(width, dim=-1)                 # [B, F, W]
         child_score, child_idx = child_score.tolist(), child_idx.tolist()
         d += 1
@@ -90,17 +100,14 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
             cands.sort(key=lambda x: -x[0])
             first = len(pool[i])
             pool[i] += [(sc, d, t, j) for sc, t, j in cands[:width]]   # the W best children of the frontier
-            for r, j in enumerate(frontier[i]):
-                parent_feat[i][j] = out[i, r]
             new = list(range(first, len(pool[i])))
             frontier[i] = _worth_expanding(pool[i], new, max_nodes) if d < ks[i] else []
-    id_map = head.id_map.tolist()
     ranked = [_ranked(pool[i], ks[i], max_nodes) for i in range(b)]
     counts = [len(r) for r in ranked]
     if costs is not None:
         counts = tree_sizes([[math.exp(pool[i][j][0]) for j in r] for i, r in enumerate(ranked)], costs,
                             max(base_rows, b))
-    return [_select(pool[i], ranked[i][:n], id_map) for i, n in enumerate(counts)]
+    return [_select(pool[i], ranked[i][:n], head.id_map) for i, n in enumerate(counts)]
 
 
 def _worth_expanding(pool: list[tuple[float, int, int, int]], nodes: list[int], max_nodes: int) -> list[int]:
@@ -120,10 +127,10 @@ def _ranked(pool: list[tuple[float, int, int, int]], depth: int, max_nodes: int)
     return order[:max_nodes]
 
 
-def _select(pool: list[tuple[float, int, int, int]], keep: list[int], id_map: list[int]) -> Proposal:
+def _select(pool: list[tuple[float, int, int, int]], keep: list[int], id_map: torch.Tensor) -> Proposal:
     """Candidates `keep` (closed under ancestors) in depth order, as tokens of the full vocab and parent indices
     among themselves."""
     keep = sorted(keep, key=lambda j: (pool[j][1], j))                           # parents before children
     index = {j: n for n, j in enumerate(keep)}
-    return Proposal([id_map[pool[j][2]] for j in keep], None, [index[pool[j][3]] if pool[j][3] >= 0 else -1
-                                                               for j in keep])
+    tokens = id_map[torch.tensor([pool[j][2] for j in keep], device=id_map.device)].tolist() if keep else []
+    return Proposal(tokens, None, [index[pool[j][3]] if pool[j][3] >= 0 else -1 for j in keep])
