@@ -54,7 +54,6 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
     tree_k = tree_v = None                                           # [B, M, KVH, Dh]
     origin = [st.origin + n for st, n in zip(states, real_lens)]     # the position of a depth-1 node
     real_mask = torch.arange(p, device=dev)[None, :] < torch.tensor(real_lens, device=dev)[:, None]   # [B, P]
-    ancestors: list[list[list[int]]] = [[] for _ in range(b)]        # slot -> the slots of its ancestors
     d = 1
     while any(frontier):
         f = max(len(fr) for fr in frontier)                          # rows this pass; shorter frontiers are padded
@@ -75,15 +74,11 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
                 row = tree_mask[i][r]
                 row[m + r] = True
                 if r < len(frontier[i]):
-                    j = frontier[i][r]
-                    slot_of[i][j] = m + r
-                    a = slot_of[i][pool[i][j][3]]
-                    up = [] if a < 0 else ancestors[i][a] + [a]
-                    ancestors[i].append(up)
-                    for anc in up:
-                        row[anc] = True
-                else:
-                    ancestors[i].append([])
+                    slot_of[i][frontier[i][r]] = m + r
+                    a = pool[i][frontier[i][r]][3]
+                    while a >= 0:                                    # its ancestors
+                        row[slot_of[i][a]] = True
+                        a = pool[i][a][3]
         mask = torch.cat([real_mask[:, None, :].expand(b, f, p), torch.tensor(tree_mask, device=dev)], -1)
         past = (torch.cat([real_k] + ([tree_k] if tree_k is not None else []), 1),
                 torch.cat([real_v] + ([tree_v] if tree_v is not None else []), 1))
