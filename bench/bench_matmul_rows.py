@@ -3,7 +3,8 @@
 default model's shapes (30 layers of qkv 576->960, o 576->576, gate/up 576->2x1536, down 1536->576; fresh weights
 per layer, so they stream from memory as in serving), by rows in the step (1 = a decode, K + 1 = verifying K drafts)
 and by dtype; `bf16-packed` is bf16 with the weights prepacked for oneDNN, as the services run bf16 on CPU
-(shared.ops.packed_linear: same kernel and results, no per-call weight reorder).
+(shared.ops.packed_linear: same kernel and results, no per-call weight reorder); `f32-rows` is fp32 in the panels
+of the AVX2 rows kernel, as the services run fp32 where it is available (shared.ops.rows_gemm).
 
     .venv/bin/python bench/bench_matmul_rows.py [--threads 1] [--rows 1 2 5 8 16] [--reps 10]
 
@@ -21,12 +22,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.ops import rows_gemm  # noqa: E402
 from shared.ops.packed_linear import pack_weight, packed_linear, packing_available  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (2 * 1536, 576), (576, 1536)]          # (out, in) of each linear of a layer
 
 
 def step_ms(layers: list[list[torch.Tensor]], rows: int, reps: int, packed: bool = False) -> float:
+    """ms per step of the layers' matmuls at `rows` rows (packed: through shared.ops.packed_linear)."""
     dtype = layers[0][0].dtype
     xs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
     ops = [[(w.shape[1], pack_weight(w) if packed else w) for w in ws] for ws in layers]
@@ -54,6 +57,7 @@ def main() -> None:
     print(f"{'dtype':11} {'rows':>4} {'ms/step':>8} {'vs 1 row':>8}")
     kinds = [("float32", torch.float32, False), ("bfloat16", torch.bfloat16, False)]
     kinds += [("bf16-packed", torch.bfloat16, True)] if packing_available() else []
+    kinds += [("f32-rows", torch.float32, True)] if rows_gemm.available() else []
     for name, dtype, packed in kinds:
         layers = [[torch.randn(o, i, dtype=dtype) for o, i in SHAPES] for _ in range(args.layers)]
         base = None

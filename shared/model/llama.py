@@ -109,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, D] -> logits [N, V] in fp32."""
         head = self.lm_head
         if hidden.device.type != "cpu" or type(head) is not nn.Linear:
-            return head(hidden).float()                     # also bf16 on CPU: a PackedLinear (shared.ops)
+            return head(hidden).float()                     # bf16, or fp32 with the rows kernel: a PackedLinear
         # fp32 on CPU: the [V, D] head is the largest matmul of a decode step. Measured on 2 cores (V = 49152,
         # D = 576): one row streams a [D, V] copy about 1.8x faster, and several rows go about 1.4x faster in V-chunks.
         if hidden.shape[0] < 4:

@@ -28,6 +28,7 @@ from torch import nn
 from shared import telemetry, tensor_codec
 from shared.model.config import ModelConfig
 from shared.model.placement import Placement, Unit, combine, plan_dispatch, replica_table
+from shared.ops.packed_linear import PackedLinear
 from shared.rpc.errors import PeerUnavailable
 from shared.rpc.channel import sync_channel
 from upesi.v1 import experts_pb2, experts_pb2_grpc
@@ -294,12 +295,13 @@ def attach_expert_shards(model: nn.Module, client: ExpertsClient) -> int:
     return freed
 
 
-def _tensors(obj, keep: tuple) -> Iterator[torch.Tensor]:
+def _tensors(obj, keep: tuple) -> Iterator[torch.Tensor | PackedLinear]:
     """The weights an FFN module or backend holds (not those of `keep`, the modules it sits in)."""
     if isinstance(obj, nn.Module):
         if not any(obj is k for k in keep):
             yield from obj.parameters()
             yield from obj.buffers()
+            yield from (m for m in obj.modules() if isinstance(m, PackedLinear))    # packed copies: not buffers
     elif isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -316,9 +318,14 @@ def _tensors(obj, keep: tuple) -> Iterator[torch.Tensor]:
 def _free(obj, keep: tuple) -> int:
     seen, freed = set(), 0
     for t in _tensors(obj, keep):
-        if id(t) in seen or t.numel() == 0:
+        if id(t) in seen:
             continue
         seen.add(id(t))
+        if isinstance(t, PackedLinear):
+            freed += t.release()
+            continue
+        if t.numel() == 0:
+            continue
         freed += t.numel() * t.element_size()
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return freed

@@ -1,4 +1,4 @@
-"""Linear layers with their weights prepacked for oneDNN (CPU, bf16).
+"""Linear layers with their weights prepacked for CPU serving: bf16 for oneDNN, fp32 in panels for rows_gemm.
 
 `F.linear` on a bf16 CPU tensor hands the [out, in] weight to oneDNN, which reorders it into its blocked layout on
 every call: at the few rows of a decode or a verification step that reorder is about half the cost. Packing once
@@ -6,7 +6,9 @@ at load (as torch.compile's CPU freezing does) runs the same oneDNN kernel on th
 bit-identical to `F.linear` and about 2x faster on this project's CPUs (bench/bench_matmul_rows.py: bf16-packed).
 The torch reference is `F.linear` itself (tests/unit/test_packed_linear.py).
 
-fp32 stays on `F.linear` (MKL): the fp32 paths are the ones tested exactly against transformers.
+fp32 weights go into the panels of shared.ops.rows_gemm where its AVX2 kernel runs (not bit-identical to MKL, but
+each row's result independent of the rows beside it; checked against F.linear and, through the model, against
+transformers); elsewhere fp32 stays on `F.linear`.
 Shapes: N = rows (any leading dims), I = in features, O = out features.
 """
 from __future__ import annotations
@@ -16,6 +18,9 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shared.ops import rows_gemm
+from shared.ops.rows_gemm import RowsWeight
 
 
 @functools.cache
@@ -30,31 +35,55 @@ def packing_available() -> bool:
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and packing_available()
+    if weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.bfloat16:
+        return packing_available()
+    return rows_gemm.packable(weight)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[O, I] bf16 CPU -> an opaque oneDNN tensor for `packed_linear` (no storage, never saved or moved)."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | RowsWeight:
+    """[O, I] CPU -> bf16: an opaque oneDNN tensor (no storage, never saved or moved); fp32: a RowsWeight."""
+    if weight.dtype == torch.float32:
+        return RowsWeight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | RowsWeight, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """x [..., I] @ packed [O, I]^T (+ bias) -> [..., O]."""
+    if isinstance(packed, RowsWeight):
+        return rows_gemm.rows_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
     """A linear layer for inference whose weight [O, I] lives only in the packed copy (`keep_weight` keeps the
-    original as `weight` too: a tied LM head, whose tensor the embedding holds anyway, or a layer read elsewhere)."""
+    original as `weight` too: a tied LM head, whose tensor the embedding holds anyway, or a layer read elsewhere).
+    fp32 layers without it answer `weight` with an unpacked copy (for the rare reader: quantisation, autograd)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = pack_weight(weight)                        # not a buffer: .to() and state_dict skip it
-        self.packed_nbytes = weight.numel() * weight.element_size()
         self.bias = bias
         if keep_weight:
-            self.weight = weight
+            self.weight = weight                                 # before `packed`: see __getattr__
+        self.packed = pack_weight(weight)                        # not a buffer: .to() and state_dict skip it
+        self.packed_nbytes = weight.numel() * weight.element_size()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            packed = self.__dict__.get("packed")
+            if name == "weight" and isinstance(packed, RowsWeight):
+                return packed.weight
+            raise
+
+    def release(self) -> int:
+        """Drops the packed copy (the layer cannot run after this; its FFN went elsewhere) -> the bytes it held."""
+        freed, self.packed, self.packed_nbytes = self.packed_nbytes, None, 0
+        return freed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias)
@@ -64,9 +93,10 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, keep_weight: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> int:
-    """Replaces every bf16 CPU nn.Linear of `model` (exact type) by a PackedLinear, in place; modules whose name
-    ends with an entry of `skip` stay as they are, those ending with one of `keep_weight` keep `weight` too.
-    -> the number of layers packed (0 where packing does not apply: another dtype or device, no oneDNN)."""
+    """Replaces every bf16 or fp32 CPU nn.Linear of `model` (exact type) that `packable` accepts by a PackedLinear,
+    in place; modules whose name ends with an entry of `skip` stay as they are, those ending with one of
+    `keep_weight` keep `weight` too. -> the number of layers packed (0 where packing does not apply: another dtype
+    or device, no oneDNN for bf16, no AVX2 kernel for fp32)."""
     todo = [(name, m) for name, m in model.named_modules()
             if type(m) is nn.Linear and packable(m.weight) and not name.endswith(skip)]
     for name, m in todo:

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from shared.ops.packed_linear import PackedLinear
 from shared.quant.checkpoint import CheckpointFormatError
 from shared.quant.model_quant import set_act_quant
 from shared.quant.nvfp4 import NVFP4ShapeError, fake_quantise, quantise_weight
@@ -23,6 +24,8 @@ from shared.quant.nvfp4_linear import nvfp4_linear
 from shared.quant.nvfp4_module import FP8Linear, NVFP4Linear
 from shared.quant.policy import PolicyError, parse_size
 from shared.quant.quantize import quantize
+
+HIGH = (nn.Linear, PackedLinear)       # a layer served in high precision: plain, or prepacked for the CPU kernels
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -82,7 +85,7 @@ def test_quantized_model_matches_dequantised_reference(tmp_path: Path, tie: bool
     model = eng.runner.model
     qkv, gate_up = model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.gate_up_proj
     assert isinstance(qkv, NVFP4Linear) and qkv.segments == (64, 32, 32) and gate_up.segments == (96, 96)
-    assert type(model.lm_head) is nn.Linear                           # high precision by default
+    assert type(model.lm_head) in HIGH                           # high precision by default
     ref = reference(src, default_precisions())
     assert (eng.score(IDS) - logits(ref)).abs().max().item() < 1e-5
     with torch.inference_mode():
@@ -108,7 +111,7 @@ def test_checkpoint_loads_in_compressed_tensors_with_identical_weights(tmp_path:
         prefix, _, short = unit.rpartition(".")
         parts = [f"model.{prefix}.{p}" for p in fused.get(short, [short])]
         theirs = torch.cat([dense[f"{p}.weight"] for p in parts])                 # compressed-tensors' weights
-        ours = (module.weight if type(module) is nn.Linear else module.dequantise()).float()   # what we serve
+        ours = (module.weight if type(module) in HIGH else module.dequantise()).float()   # what we serve
         if isinstance(module, NVFP4Linear):            # compressed-tensors decompresses NVFP4 to bf16
             ours = ours.bfloat16().float()
             expect = torch.cat([quantise_weight(source[f"{p}.weight"]).dequantise() for p in parts])
@@ -116,7 +119,7 @@ def test_checkpoint_loads_in_compressed_tensors_with_identical_weights(tmp_path:
         assert torch.equal(ours, theirs.float()), unit
     assert isinstance(model.layers[0].mlp.gate_up_proj, FP8Linear)
     assert isinstance(model.layers[1].mlp.gate_up_proj, NVFP4Linear)
-    assert type(model.layers[0].self_attn.o_proj) is nn.Linear
+    assert type(model.layers[0].self_attn.o_proj) in HIGH
     assert torch.equal(dense["lm_head.weight"], source["lm_head.weight"].bfloat16().float())
 
 
@@ -138,7 +141,7 @@ def test_policy_file_keeps_the_chosen_layers_in_high_precision(tmp_path: Path) -
     assert "model.layers.1.mlp.up_proj.weight_packed" in tensors
     eng = engine(tmp_path / "q")
     layers = eng.runner.model.layers
-    assert type(layers[0].mlp.down_proj) is nn.Linear and type(layers[1].self_attn.qkv_proj) is nn.Linear
+    assert type(layers[0].mlp.down_proj) in HIGH and type(layers[1].self_attn.qkv_proj) in HIGH
     assert isinstance(layers[0].mlp.gate_up_proj, FP8Linear) and isinstance(layers[1].mlp.gate_up_proj, NVFP4Linear)
     precisions = default_precisions(**{f"model.layers.{i}.mlp.down_proj": "bf16" for i in range(2)},
                                     **{f"model.layers.1.self_attn.{p}_proj": "fp32" for p in "qkv"},
@@ -165,7 +168,7 @@ def test_auto_policy_keeps_the_most_sensitive_layers_within_the_budget(tmp_path:
     table = capsys.readouterr().out
     assert "block err" in table and all(u in table for u in found)
     model = engine(tmp_path / "q").runner.model
-    assert all(type(model.get_submodule(u)) is nn.Linear for u in expect)
+    assert all(type(model.get_submodule(u)) in HIGH for u in expect)
     with pytest.raises(PolicyError, match="below the all-NVFP4 size"):
         quantize(str(tmp_path / "src"), str(tmp_path / "x"), policy="auto", memory_budget="1KB", calibration=IDS)
 

@@ -23,9 +23,12 @@ def test_packed_linear_equals_f_linear(shape, bias):
     assert torch.equal(got, want)
 
 
-def test_pack_linears_replaces_bf16_cpu_linears_only():
+def test_pack_linears_replaces_bf16_cpu_linears_only(monkeypatch):
+    from shared.ops import rows_gemm
+
+    monkeypatch.setattr(rows_gemm, "available", lambda: False)         # fp32 packs only into the AVX2 rows kernel
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4), nn.Linear(4, 4)))
-    assert pack_linears(net) == 0                                        # fp32: untouched (the exact path)
+    assert pack_linears(net) == 0                                        # fp32 without that kernel: untouched
     assert all(type(m) is not PackedLinear for m in net.modules())
     net = net.to(torch.bfloat16)
     x = torch.randn(3, 8, dtype=torch.bfloat16)

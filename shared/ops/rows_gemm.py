@@ -1,0 +1,151 @@
+"""fp32 linear layers with their weights prepacked in panels, for CPUs with AVX2 + FMA (rows_gemm.c).
+
+MKL, oneDNN and OpenBLAS run fp32 matmuls of the few rows of a decode or verification step at a fraction of an
+AVX2 core's peak (README, Benchmarks): on the AVX2 EPYC, the default model's linear layers took 44 ms at 1 row and
+102 ms at 9, so verifying K drafts cost more than speculation gained. The kernel here reads each 16-column panel of
+the weight once per call and runs every row of x over it from cache (12 accumulators of 8 floats), which keeps 9
+rows near the cost of one (bench/bench_matmul_rows.py: `f32-rows`). Every output is summed over k in order, so a
+row's result does not depend on how many rows share the call: a verification row is computed exactly as a decode
+row, and a prefill row too.
+
+The C source is compiled at first use (gcc or cc, -O3 -mavx2 -mfma -fopenmp, under ~/.cache/upesi/kernels or
+$UPESI_KERNEL_CACHE, keyed by the source's hash) and loaded with ctypes; it links the OpenMP runtime torch has
+already loaded. Where it cannot run (no AVX2 / FMA, no compiler, a self-check that disagrees with F.linear, or
+UPESI_ROWS_GEMM=0) `available()` is False and fp32 stays on F.linear. The torch reference is F.linear
+(tests/unit/test_rows_gemm.py). Shapes: M = rows, K = in features, N = out features, P = ceil(N / 16) panels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+PANEL = 16                                            # output columns per panel (NR in the C source)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("UPESI_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "upesi", "kernels")
+    return Path(root)
+
+
+def _build() -> Path:
+    """Compiles rows_gemm.c once per source and flags (an atomic rename, so concurrent processes may race)."""
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"rows_gemm-{key}.so"
+    if out.exists():
+        return out
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise OSError("no C compiler (gcc or cc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("UPESI_ROWS_GEMM", "1") in ("0", "false", "no"):
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):       # both imply FMA
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        log.warning("fp32 rows kernel unavailable, using F.linear: %s %s", e, err.decode(errors="replace")[-500:])
+        return None
+    fn = lib.upesi_rows_gemm
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """True where the kernel builds, loads and agrees with F.linear on a small case (every row tile size)."""
+    if _lib() is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(40, 37, generator=g), torch.randn(13, 37, generator=g)
+    ok = torch.allclose(_run(x, pack(w), 40), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    if not ok:
+        log.warning("fp32 rows kernel disagrees with F.linear on this machine; using F.linear")
+    return ok
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.ndim == 2 and available()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> [P, K, 16] panels (columns past N zero)."""
+    n, k = weight.shape
+    padded = weight.detach().new_zeros(-(-n // PANEL) * PANEL, k)
+    padded[:n] = weight.detach()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, K, 16] -> the [N, K] weight as a strided view of the panels (no copy)."""
+    p, k, _ = panels.shape
+    return panels.transpose(1, 2).reshape(p * PANEL, k)[:n]
+
+
+def _run(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _lib().upesi_rows_gemm(x.data_ptr(), m, k, panels.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+class RowsWeight:
+    """An [N, K] fp32 weight in panels for `rows_linear`, with a [N, K] view of it for code that reads `weight`
+    (autograd, other kernels); not a tensor, so `.to()` and state_dict never see it."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.panels = pack(weight)                                           # [P, K, 16]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack(self.panels, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+def rows_linear(x: torch.Tensor, w: RowsWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in fp32. Falls back to F.linear on the view where autograd needs it
+    or x is not fp32 on CPU."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+        return F.linear(x, w.weight, bias)
+    lead = x.shape[:-1]
+    y = _run(x.reshape(-1, w.in_features).contiguous(), w.panels, w.out_features)
+    if bias is not None:
+        y += bias
+    return y.view(*lead, w.out_features)
