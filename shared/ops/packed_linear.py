@@ -69,7 +69,9 @@ class PackedLinear(nn.Module):
         if keep_weight:
             self.weight = weight                                 # before `packed`: see __getattr__
         self.packed = pack_weight(weight)                        # not a buffer: .to() and state_dict skip it
-        self.packed_nbytes = weight.numel() * weight.element_size()
+        # bytes the packed copy holds (fp32 panels pad N to a multiple of 16; oneDNN's blocked copy: the weight's)
+        self.packed_nbytes = (self.packed.nbytes if isinstance(self.packed, RowsWeight)
+                              else weight.numel() * weight.element_size())
 
     def __getattr__(self, name: str):
         try:
@@ -86,6 +88,11 @@ class PackedLinear(nn.Module):
         return freed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            raise RuntimeError("this PackedLinear was released (its weights went to expert shards); it cannot run")
+        kept = self.__dict__.get("weight", self._parameters.get("weight"))
+        if kept is not None and torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, kept, self.bias)                  # autograd through the kept weight itself
         return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:

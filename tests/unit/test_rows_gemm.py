@@ -58,10 +58,14 @@ def test_bias_leading_dims_empty_rows_and_autograd():
     x = torch.randn(2, 3, 33, generator=g)
     torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
     assert packed(torch.randn(0, 33)).shape == (0, 20)
+    assert packed.packed_nbytes == 32 * 33 * 4                          # 20 columns padded to two panels of 16
     assert torch.equal(packed.weight, lin.weight.detach())              # unpacked from the panels
     xg = torch.randn(4, 33, requires_grad=True)
     packed(xg).sum().backward()                                         # falls back to F.linear on the weight
     torch.testing.assert_close(xg.grad, lin.weight.detach().sum(0).expand(4, 33))
+    kept = PackedLinear(lin.weight, lin.bias, keep_weight=True)         # a kept weight trains through itself
+    kept(xg).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.shape == (20, 33)
 
 
 def test_pack_linears_packs_fp32_models():
@@ -85,3 +89,5 @@ def test_freeing_a_packed_ffn_counts_and_drops_its_panels():
     assert _free(mlp, keep=()) == 2 * 16 * 32 * 4
     assert all(m.packed is None and m.packed_nbytes == 0 for m in mlp)
     assert _free(mlp, keep=()) == 0
+    with pytest.raises(RuntimeError, match="released"):
+        mlp(torch.randn(2, 16))
