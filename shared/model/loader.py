@@ -5,6 +5,7 @@ from either.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -96,10 +97,23 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _gguf_config(path: str) -> ModelConfig:
+def _gguf_reader(path: str):
+    """The file's GGUFReader, parsed once per process and file version: opening one reads every metadata field (the
+    tokenizer's 100k strings, 3.6 s for the default model on the AVX2 EPYC), and a service asks for the config
+    and the weights separately (an expert shard parsed the file three times at start-up)."""
+    st = os.stat(path)
+    return _cached_reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int):
     import gguf
 
-    r = gguf.GGUFReader(path)
+    return gguf.GGUFReader(path)
+
+
+def _gguf_config(path: str) -> ModelConfig:
+    r = _gguf_reader(path)
     arch = _gguf_field(r, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported yet (llama only)")
@@ -139,10 +153,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
-    import gguf
     from gguf.quants import dequantize
 
-    r = gguf.GGUFReader(path)
+    r = _gguf_reader(path)
     for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
         parts = t.name.split(".")
         if parts[0] == "blk":

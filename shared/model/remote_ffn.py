@@ -40,8 +40,6 @@ RPC_SECONDS = Histogram("upesi_expert_rpc_seconds", "Dispatch RPC latency, send 
                         buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
 WIRE_BYTES = Counter("upesi_expert_wire_bytes_total", "Dispatch message bytes", ["direction"])
 _FAILOVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def _pb(t: torch.Tensor) -> experts_pb2.Tensor:
@@ -61,7 +59,8 @@ class ExpertsClient:
         self.addresses, self.placement, self.dense_layers = addresses, placement, dense_layers
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         # TLS as this service is set up; trace context goes in per step (telemetry.StepScope), not per call
-        self.channels = [sync_channel(a, options=_CHANNEL_OPTIONS, trace=False) for a in addresses]
+        # (every channel reconnects within 0.2-2 s: shared.rpc.channel.reconnect_options)
+        self.channels = [sync_channel(a, trace=False) for a in addresses]
         self.stubs = [experts_pb2_grpc.ExpertsStub(ch) for ch in self.channels]
         n, layers = placement.num_shards, len(dense_layers)
         self.num_rpcs = 0                                          # Dispatch calls sent, every shard and attempt

@@ -25,6 +25,20 @@ def message_options() -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
+def reconnect_options() -> list[tuple[str, int]]:
+    """Every channel retries a peer that is not up yet (still loading its model) or restarting every 0.2-2 s, not
+    with gRPC's default backoff (1 s growing 1.6x up to 120 s), which left a started stack unnoticed for up to
+    10 s more (the launcher's health check, the router waiting for its targets)."""
+    return [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def _channel_options(options: Options) -> list[tuple[str, int | str]]:
+    """The defaults (message sizes, reconnect backoff) under the caller's options (a key given wins)."""
+    given = {k for k, _ in options}
+    return [o for o in message_options() + reconnect_options() if o[0] not in given] + list(options)
+
+
 def keepalive_options() -> list[tuple[str, int]]:
     """For channels that carry long-lived streams (draft -> target Verify, router -> draft): a peer that vanishes
     without closing its connection is noticed within ~30 s instead of never. Servers permit these pings
@@ -90,7 +104,7 @@ def server_tls_from(cfg) -> ServerTLS:
 def aio_channel(address: str, tls: ClientTLS | None = None, options: Options = (),
                 trace: bool = True) -> grpc.aio.Channel:
     """An asyncio channel; `trace` adds the client tracing interceptors (when tracing is on)."""
-    opts = message_options() + list(options)
+    opts = _channel_options(options)
     interceptors = telemetry.aio_client_interceptors() if trace else []
     creds = (tls or _client_tls).credentials()
     if creds is None:
@@ -101,7 +115,7 @@ def aio_channel(address: str, tls: ClientTLS | None = None, options: Options = (
 def sync_channel(address: str, tls: ClientTLS | None = None, options: Options = (), trace: bool = True
                  ) -> grpc.Channel:
     """A blocking channel (the engine thread's calls); `trace` adds the client tracing interceptor."""
-    opts = message_options() + list(options)
+    opts = _channel_options(options)
     creds = (tls or _client_tls).credentials()
     channel = (grpc.insecure_channel(address, options=opts) if creds is None
                else grpc.secure_channel(address, creds, options=opts))

@@ -1,0 +1,58 @@
+"""Start-up caches of the model file: the GGUF's tokenizer kept as tokenizer.json, and one GGUF parse per process.
+Both must give exactly what the uncached paths give (transformers' own GGUF conversion; a fresh GGUFReader)."""
+from __future__ import annotations
+
+import os
+
+from shared import tokenizer as tokenizer_mod
+from shared.model import loader
+from shared.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Héllo <|im_end|> wörld 12345\n\tdef f(x): return x ** 2  # ünïcode ✓"}]
+
+
+def test_cached_tokenizer_equals_transformers_conversion(model_path, hf_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = Tokenizer(model_path)                                        # converts, then writes the cache
+    saved = list((tmp_path / "upesi" / "tokenizers").iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer.json").exists()
+    second = Tokenizer(model_path)                                       # reads tokenizer.json
+    assert type(second.hf).__name__ == type(hf_tokenizer).__name__
+    ids = list(range(0, len(hf_tokenizer), 5))
+    for tok in (first, second):
+        text = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+        assert tok.apply_chat_template(MESSAGES) == hf_tokenizer.encode(text, add_special_tokens=False)
+        assert tok.encode(MESSAGES[1]["content"]) == hf_tokenizer.encode(MESSAGES[1]["content"],
+                                                                         add_special_tokens=False)
+        assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True,
+                                                      clean_up_tokenization_spaces=False)
+        assert tok.convert_ids_to_tokens(ids) == hf_tokenizer.convert_ids_to_tokens(ids)
+        assert tok.eos_token_id == hf_tokenizer.eos_token_id
+        assert tok.hf.all_special_ids == hf_tokenizer.all_special_ids
+
+
+def test_unwritable_cache_still_loads(model_path, hf_tokenizer, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))                  # mkdir under a file fails
+    tok = tokenizer_mod.Tokenizer(model_path)
+    assert tok.encode("hello world") == hf_tokenizer.encode("hello world", add_special_tokens=False)
+
+
+def test_gguf_is_parsed_once_per_file_version(model_path, tmp_path):
+    import gguf
+
+    loader._cached_reader.cache_clear()
+    assert loader._gguf_reader(model_path) is loader._gguf_reader(model_path)
+    assert loader._cached_reader.cache_info().misses == 1
+    fresh = gguf.GGUFReader(model_path)
+    cached = loader._gguf_reader(model_path)
+    assert [t.name for t in cached.tensors] == [t.name for t in fresh.tensors]
+    assert all((a.data == b.data).all() for a, b in zip(cached.tensors[:5], fresh.tensors[:5]))
+    assert loader.load_config(model_path) == loader.load_config(model_path)
+    assert loader._cached_reader.cache_info().misses == 1                # config and weights share the parse
+    # another file (a copy with a new mtime) is parsed on its own
+    copy = tmp_path / os.path.basename(model_path)
+    copy.write_bytes(open(model_path, "rb").read())
+    assert loader._gguf_reader(str(copy)) is not cached
