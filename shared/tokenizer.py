@@ -6,18 +6,14 @@ import logging
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from typing import Any
 
+from shared.cache_dir import cache_dir
 from shared.engine.sampling_params import InvalidRequest
 from shared.model.loader import is_gguf
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 log = logging.getLogger(__name__)
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "upesi" / "tokenizers"
 
 
 def _load_gguf(path: str):
@@ -30,7 +26,7 @@ def _load_gguf(path: str):
 
     real, st = os.path.realpath(path), os.stat(path)
     key = hashlib.sha256(f"{real}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]
-    cached = _cache_root() / key
+    cached = cache_dir("tokenizers") / key
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(cached)

@@ -5,6 +5,7 @@ from either.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import json
@@ -97,23 +98,29 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _gguf_reader(path: str):
-    """The file's GGUFReader, parsed once per process and file version: opening one reads every metadata field (the
-    tokenizer's 100k strings, 3.6 s for the default model on the AVX2 EPYC), and a service asks for the config
-    and the weights separately (an expert shard parsed the file three times at start-up)."""
+def _version(path: str) -> tuple[str, int, int]:
+    """A cache key for a file as it is now: its path, mtime and size."""
     st = os.stat(path)
-    return _cached_reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    return path, st.st_mtime_ns, st.st_size
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int):
+def _reader(path: str, mtime_ns: int, size: int):
+    """A GGUFReader shared by the config and the weights of one start-up: opening one parses every metadata field
+    (the tokenizer's 100k strings, 3.6 s for the default model on the AVX2 EPYC). `_gguf_weights` drops it once the
+    weights are read (it holds about 160 MB); the config stays cached on its own."""
     import gguf
 
     return gguf.GGUFReader(path)
 
 
 def _gguf_config(path: str) -> ModelConfig:
-    r = _gguf_reader(path)
+    return copy.deepcopy(_parsed_config(*_version(path)))          # callers may change theirs
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
+    r = _reader(path, mtime_ns, size)
     arch = _gguf_field(r, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported yet (llama only)")
@@ -155,18 +162,21 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
     from gguf.quants import dequantize
 
-    r = _gguf_reader(path)
-    for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-        else:
-            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if w.ndim == 1:
-            w = w.reshape(-1)
-        if parts[-2:-1] == ["attn_q"]:
-            w = _unpermute(w, cfg.num_heads)
-        elif parts[-2:-1] == ["attn_k"]:
-            w = _unpermute(w, cfg.num_kv_heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))   # writable copy
+    r = _reader(*_version(path))
+    try:
+        for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
+            parts = t.name.split(".")
+            if parts[0] == "blk":
+                name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+            else:
+                name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            if w.ndim == 1:
+                w = w.reshape(-1)
+            if parts[-2:-1] == ["attn_q"]:
+                w = _unpermute(w, cfg.num_heads)
+            elif parts[-2:-1] == ["attn_k"]:
+                w = _unpermute(w, cfg.num_kv_heads)
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32))   # writable copy
+    finally:
+        _reader.cache_clear()                                   # the weights are read: free the parse

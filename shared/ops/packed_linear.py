@@ -66,6 +66,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.keep_weight = keep_weight
         if keep_weight:
             self.weight = weight                                 # before `packed`: see __getattr__
         self.packed = pack_weight(weight)                        # not a buffer: .to() and state_dict skip it
@@ -90,9 +91,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             raise RuntimeError("this PackedLinear was released (its weights went to expert shards); it cannot run")
-        kept = self.__dict__.get("weight", self._parameters.get("weight"))
-        if kept is not None and torch.is_grad_enabled() and x.requires_grad:
-            return F.linear(x, kept, self.bias)                  # autograd through the kept weight itself
+        if self.keep_weight and torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.weight, self.bias)           # autograd through the kept weight itself
         return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:

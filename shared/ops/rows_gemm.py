@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shared.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -36,17 +38,11 @@ PANEL = 16                                            # output columns per panel
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("UPESI_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "upesi", "kernels")
-    return Path(root)
-
-
 def _build() -> Path:
     """Compiles rows_gemm.c once per source and flags (an atomic rename, so concurrent processes may race)."""
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"rows_gemm-{key}.so"
+    out = cache_dir("kernels", "UPESI_KERNEL_CACHE") / f"rows_gemm-{key}.so"
     if out.exists():
         return out
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")

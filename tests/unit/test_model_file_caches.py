@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-from shared import tokenizer as tokenizer_mod
 from shared.model import loader
 from shared.tokenizer import Tokenizer
 
@@ -36,23 +35,33 @@ def test_unwritable_cache_still_loads(model_path, hf_tokenizer, tmp_path, monkey
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))                  # mkdir under a file fails
-    tok = tokenizer_mod.Tokenizer(model_path)
+    tok = Tokenizer(model_path)
     assert tok.encode("hello world") == hf_tokenizer.encode("hello world", add_special_tokens=False)
 
 
-def test_gguf_is_parsed_once_per_file_version(model_path, tmp_path):
+def test_gguf_is_parsed_once_per_start_up_and_the_parse_is_dropped_after_the_weights(model_path, tmp_path,
+                                                                                     monkeypatch):
     import gguf
 
-    loader._cached_reader.cache_clear()
-    assert loader._gguf_reader(model_path) is loader._gguf_reader(model_path)
-    assert loader._cached_reader.cache_info().misses == 1
-    fresh = gguf.GGUFReader(model_path)
-    cached = loader._gguf_reader(model_path)
-    assert [t.name for t in cached.tensors] == [t.name for t in fresh.tensors]
-    assert all((a.data == b.data).all() for a, b in zip(cached.tensors[:5], fresh.tensors[:5]))
-    assert loader.load_config(model_path) == loader.load_config(model_path)
-    assert loader._cached_reader.cache_info().misses == 1                # config and weights share the parse
+    opened = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path: opened.append(path) or real(path))   # the real reader
+    loader._reader.cache_clear()
+    loader._parsed_config.cache_clear()
+    cfg = loader.load_config(model_path)
+    assert loader.load_config(model_path) == cfg                        # a shard asks twice
+    names = [name for name, _ in loader.iter_weights(model_path, cfg, progress=False)]
+    assert len(opened) == 1                                             # config and weights share one parse
+    assert loader._reader.cache_info().currsize == 0                    # dropped once the weights are read
+    fresh = real(model_path)                                            # independent: the file's own fields
+    assert cfg.hidden_size == fresh.fields["llama.embedding_length"].contents()
+    assert cfg.num_layers == fresh.fields["llama.block_count"].contents()
+    assert len(names) == len(fresh.tensors)
+    cfg.eos_token_ids.append(-1)                                        # a caller's change stays its own
+    assert -1 not in loader.load_config(model_path).eos_token_ids
+    assert len(opened) == 1                                             # later configs come from the cache
     # another file (a copy with a new mtime) is parsed on its own
     copy = tmp_path / os.path.basename(model_path)
     copy.write_bytes(open(model_path, "rb").read())
-    assert loader._gguf_reader(str(copy)) is not cached
+    assert loader.load_config(str(copy)).hidden_size == cfg.hidden_size
+    assert opened[1:] == [str(copy)]

@@ -66,6 +66,7 @@ def test_bias_leading_dims_empty_rows_and_autograd():
     kept = PackedLinear(lin.weight, lin.bias, keep_weight=True)         # a kept weight trains through itself
     kept(xg).sum().backward()
     assert lin.weight.grad is not None and lin.weight.grad.shape == (20, 33)
+    torch.testing.assert_close(lin.weight.grad, xg.detach().sum(0).expand(20, 33))   # d sum(x W^T) / dW
 
 
 def test_pack_linears_packs_fp32_models():
