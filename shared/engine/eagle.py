@@ -46,6 +46,8 @@ class EagleConfig:
     post_norm: bool = False         # features after the target's final norm (EAGLE-1); False: before it
     draft_confidence: float = 0.0   # serving default: stop a draft once its path probability falls below this
     tree_nodes: int = 0             # serving default: tree nodes per step, shared by greedy sequences (0: chains)
+    tree_nodes_fp32: int | None = None  # the same where the head serves in fp32 (None: tree_nodes): on CPU an fp32
+                                        # verified row costs more than a bf16 one, so smaller trees pay there
     tree_width: int = 4             # candidates kept per depth of a tree
     tree_ngram: int = 0             # serving default: graft prompt lookup's continuation of up to this many tokens
                                     # onto each greedy tree (0: off)
@@ -87,6 +89,11 @@ class EagleHead(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.input_layernorm.weight.device
+
+    def default_tree_nodes(self, dtype: torch.dtype) -> int:
+        """The serving default of the node budget of a step for a head serving in `dtype`."""
+        fp32 = self.cfg.tree_nodes_fp32
+        return fp32 if dtype == torch.float32 and fp32 is not None else self.cfg.tree_nodes
 
     def pack(self) -> None:
         """Serving only (not trainable after): bf16 CPU weights prepacked for oneDNN (shared.ops.packed_linear),

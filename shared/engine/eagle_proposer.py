@@ -224,8 +224,8 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
                ) -> EagleProposer:
     """The head at `path`, with the embedding, final norm and LM head of `target` (in-process) or of the checkpoint
     at `target_path` (a draft service; None = the default model); drafts stop below `min_confidence` (None = the
-    head's own draft_confidence); greedy sequences get trees of up to `tree_nodes` (None = the head's tree_nodes,
-    0 = chains)."""
+    head's own draft_confidence); greedy sequences get trees of up to `tree_nodes` (None = the head's tree_nodes, or
+    tree_nodes_fp32 in fp32; 0 = chains)."""
     from shared.engine.eagle import load_target_parts
 
     head = EagleHead.load(path, dtype, device)
@@ -238,5 +238,5 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
         raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
                          f"{head.embed.shape[0]}")
     return EagleProposer(head, head.cfg.draft_confidence if min_confidence is None else min_confidence,
-                         head.cfg.tree_nodes if tree_nodes is None else tree_nodes, head.cfg.tree_width,
+                         head.default_tree_nodes(dtype) if tree_nodes is None else tree_nodes, head.cfg.tree_width,
                          head.cfg.tree_ngram)
