@@ -216,9 +216,8 @@ def main() -> None:
 
     results = measure_stacks(args)
     c = measure_cost_ratio(args.head, args.k, args.threads, args.dtype)
-    head_cfg = EagleConfig.read(args.head)
-    fp32 = serving_dtype(args.dtype, torch.device("cpu")) == "float32" and head_cfg.tree_nodes_fp32 is not None
-    nodes = head_cfg.tree_nodes_fp32 if fp32 else head_cfg.tree_nodes          # what the stacks draft by default
+    dtype = getattr(torch, serving_dtype(args.dtype, torch.device("cpu")))
+    nodes = EagleConfig.read(args.head).default_tree_nodes(dtype)               # what the stacks draft by default
     c_tree = measure_cost_ratio(args.head, args.k, args.threads, args.dtype, tree_nodes=nodes) if nodes else c
     print(f"\ndefault model, greedy, {args.tokens} tokens, K = {args.k}, dtype {args.dtype}, c = {c:.3f} "
           f"(head step / target step; a depth of the head's {nodes}-node trees: {c_tree:.3f}; the bound is the "

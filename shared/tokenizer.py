@@ -10,7 +10,7 @@ from typing import Any
 
 from shared.cache_dir import cache_dir
 from shared.engine.sampling_params import InvalidRequest
-from shared.model.loader import is_gguf
+from shared.model.loader import file_version, is_gguf
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 log = logging.getLogger(__name__)
@@ -24,8 +24,8 @@ def _load_gguf(path: str):
     import transformers
     from transformers import AutoTokenizer
 
-    real, st = os.path.realpath(path), os.stat(path)
-    key = hashlib.sha256(f"{real}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]
+    version = file_version(os.path.realpath(path))                 # (path, mtime, size)
+    key = hashlib.sha256(f"{version}|{transformers.__version__}".encode()).hexdigest()[:16]
     cached = cache_dir("tokenizers") / key
     if (cached / "tokenizer_config.json").exists():
         try:

@@ -52,6 +52,11 @@ class EagleConfig:
     tree_ngram: int = 0             # serving default: graft prompt lookup's continuation of up to this many tokens
                                     # onto each greedy tree (0: off)
 
+    def default_tree_nodes(self, dtype: torch.dtype) -> int:
+        """The serving default of a step's node budget for a head serving in `dtype`."""
+        fp32 = dtype == torch.float32 and self.tree_nodes_fp32 is not None
+        return self.tree_nodes_fp32 if fp32 else self.tree_nodes
+
     @classmethod
     def read(cls, folder: str) -> "EagleConfig":
         """The config saved beside a head (eagle.json)."""
@@ -89,11 +94,6 @@ class EagleHead(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.input_layernorm.weight.device
-
-    def default_tree_nodes(self, dtype: torch.dtype) -> int:
-        """The serving default of the node budget of a step for a head serving in `dtype`."""
-        fp32 = self.cfg.tree_nodes_fp32
-        return fp32 if dtype == torch.float32 and fp32 is not None else self.cfg.tree_nodes
 
     def pack(self) -> None:
         """Serving only (not trainable after): bf16 CPU weights prepacked for oneDNN (shared.ops.packed_linear),

@@ -238,5 +238,5 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
         raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
                          f"{head.embed.shape[0]}")
     return EagleProposer(head, head.cfg.draft_confidence if min_confidence is None else min_confidence,
-                         head.default_tree_nodes(dtype) if tree_nodes is None else tree_nodes, head.cfg.tree_width,
+                         head.cfg.default_tree_nodes(dtype) if tree_nodes is None else tree_nodes, head.cfg.tree_width,
                          head.cfg.tree_ngram)

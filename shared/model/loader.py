@@ -98,7 +98,7 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _version(path: str) -> tuple[str, int, int]:
+def file_version(path: str) -> tuple[str, int, int]:
     """A cache key for a file as it is now: its path, mtime and size."""
     st = os.stat(path)
     return path, st.st_mtime_ns, st.st_size
@@ -115,7 +115,7 @@ def _reader(path: str, mtime_ns: int, size: int):
 
 
 def _gguf_config(path: str) -> ModelConfig:
-    return copy.deepcopy(_parsed_config(*_version(path)))          # callers may change theirs
+    return copy.deepcopy(_parsed_config(*file_version(path)))          # callers may change theirs
 
 
 @functools.lru_cache(maxsize=4)
@@ -162,7 +162,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
     from gguf.quants import dequantize
 
-    r = _reader(*_version(path))
+    r = _reader(*file_version(path))
     try:
         for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
             parts = t.name.split(".")
