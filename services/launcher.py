@@ -45,6 +45,9 @@ class ServeConfig:
     num_speculative_tokens: int = option(3, "default K for speculative decoding")
     adaptive_speculation: bool = option(True, "the targets adapt each request's K to its acceptance (1 .. K); "
                                               "false: always K")
+    speculative_max_requests: int = option(2, "with --draft: requests speculate only while at most this many are "
+                                              "in flight at the router (more: plain decoding on the target; "
+                                              "0 = always)")
     speculative_max_seqs: int = option(0, "the targets speculate only while at most this many sequences are "
                                           "running (more: plain decoding until the batch shrinks; 0 = always)")
     draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
@@ -78,6 +81,8 @@ class ServeConfig:
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_speculative_max_seqs(self.speculative_max_seqs)
+        if self.speculative_max_requests < 0:
+            raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
         check_wide_threads(self.wide_threads)
         if self.draft_num_threads is not None and self.draft_num_threads < 1:
             raise ValueError(f"draft_num_threads must be at least 1, got {self.draft_num_threads}")
@@ -235,7 +240,8 @@ def main(args: argparse.Namespace) -> None:
                                 env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
-                             *(["--draft", cfg.draft_address] if cfg.draft else []),
+                             *(["--draft", cfg.draft_address, "--speculative-max-requests",
+                                str(cfg.speculative_max_requests)] if cfg.draft else []),
                              *model, *registry, *_tls_args(cfg, client=True)]))
         _wait_healthy(cfg.address, procs, cfg.ready_timeout_s, _client_tls(cfg))
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "

@@ -23,7 +23,7 @@ async def serve(cfg: DraftConfig) -> None:
     from services.draft.servicer import DraftServicer
     from services.draft.target_link import TargetLinks
     from shared.engine.config import resolve_device, resolve_dtype, serving_dtype
-    from shared import telemetry
+    from shared import telemetry, torch_thread
     from shared.engine.proposers import make_proposer
     from shared.metrics import serve_metrics
     from shared.rpc.channel import client_tls_from, server_tls_from, set_client_tls
@@ -31,13 +31,16 @@ async def serve(cfg: DraftConfig) -> None:
 
     telemetry.setup_tracing("upesi-draft")
     set_client_tls(client_tls_from(cfg))             # the Verify streams to targets
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(serving_dtype(cfg.dtype, device), device)
-    proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, dtype, device, cfg.max_model_len,
+
+    def build():                                     # on the thread that will run every proposal
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        return make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, dtype, device, cfg.max_model_len,
                              target_path=cfg.model, draft_confidence=cfg.draft_confidence,
                              draft_tree_nodes=cfg.draft_tree_nodes)
+    proposer = torch_thread.call(build)
     links = TargetLinks(DraftState(proposer))
     service = Service("upesi.v1.Draft", DraftServicer(links, cfg.allowed_targets()),
                       draft_pb2_grpc.add_DraftServicer_to_server)

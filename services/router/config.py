@@ -14,6 +14,10 @@ class RouterConfig:
     target: str = option("127.0.0.1:50061", "target replica addresses, comma-separated")
     draft: str | None = option(None, "draft replica addresses, comma-separated: speculative requests go through "
                                      "them, each driving a Verify stream to the chosen target (default: none)")
+    speculative_max_requests: int = option(2, "with a draft service: a request speculates only while at most this "
+                                              "many requests are in flight here, itself included; above it, it "
+                                              "decodes plainly on the target (on a busy batch the relay and the "
+                                              "verification rows cost more than speculation saves); 0 = always")
     registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (default: load only)")
     model: str | None = option(None, "model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)")
     max_concurrent_requests: int = option(256, "requests served at once; more get RESOURCE_EXHAUSTED")
@@ -40,5 +44,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 1 or self.max_n < 1:
             raise ValueError("max_concurrent_requests and max_n must be positive")
+        if self.speculative_max_requests < 0:
+            raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
         if self.max_prompt_tokens < 0 or self.max_output_tokens < 0:
             raise ValueError("max_prompt_tokens and max_output_tokens must be >= 0 (0 = no limit of their own)")

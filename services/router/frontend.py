@@ -87,9 +87,13 @@ class Frontend:
 
     def choose_draft(self, params: SamplingParams) -> DraftClient | None:
         """The least busy draft replica for a speculative request; None when it is not one (K = 0, beam search),
-        no draft is configured, or every draft failed in the last few seconds (the target then decodes alone)."""
+        no draft is configured, every draft failed in the last few seconds, or more than speculative_max_requests
+        are in flight (the target then decodes alone). A request that asks for K > 0 itself still speculates."""
         up = [d for d in self.drafts if d.up]
         if not up or params.num_speculative_tokens == 0 or params.beam_width > 1:
+            return None
+        busy = 0 < self.cfg.speculative_max_requests < self.in_flight
+        if busy and params.num_speculative_tokens is None:
             return None
         return min(up, key=lambda d: d.in_flight)
 

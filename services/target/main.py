@@ -105,13 +105,18 @@ async def serve(cfg: TargetConfig) -> None:
 
     telemetry.setup_tracing("upesi-target")
     set_client_tls(client_tls_from(cfg))             # the expert shards' channels
-    engine = LLMEngine(cfg.engine_config())
-    experts = _attach_expert_shards(cfg, engine)
+    publisher = _publisher(cfg)
+    attached: list = []
+
+    def build() -> LLMEngine:                        # on the engine thread, which runs every step after
+        engine = LLMEngine(cfg.engine_config())
+        attached.append(_attach_expert_shards(cfg, engine))
+        return engine
+    engine_cls = TracedAsyncEngine if telemetry.ENABLED else AsyncEngine
+    async_engine = engine_cls(build, on_step=StepObserver(publisher))
+    engine, experts = async_engine.engine, attached[0]
     rebalancer = _start_rebalancer(cfg, experts)
     metrics.KV_BLOCKS_TOTAL.set(engine.block_manager.num_blocks)
-    publisher = _publisher(cfg)
-    engine_cls = TracedAsyncEngine if telemetry.ENABLED else AsyncEngine
-    async_engine = engine_cls(engine, on_step=StepObserver(publisher))
     if cfg.metrics_port:
         metrics.serve_metrics(cfg.metrics_port, cfg.address)
     service = Service("upesi.v1.Target", TargetServicer(async_engine, cfg.draft_timeout_s),

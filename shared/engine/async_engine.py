@@ -2,6 +2,9 @@
 
 Callers `generate()` (an async iterator of Delta) and `abort()`. Requests and aborts cross into the engine
 thread through a queue; deltas come back with loop.call_soon_threadsafe. The engine thread sleeps when idle.
+
+Give it a factory rather than a built engine where the caller is a service: the engine is then built on the
+engine thread, so that one thread runs every torch operation of the process (shared.torch_thread says why).
 """
 from __future__ import annotations
 
@@ -23,15 +26,23 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
+                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        """engine: an LLMEngine, or a function that builds one (called on the engine thread; its exception is
+        raised here)."""
         self.on_step = on_step
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.engine: LLMEngine
+        failed: list[BaseException] = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(engine, failed, ready), name="engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
         """Yields deltas until every choice of the request has finished. Cancelling the caller aborts it."""
@@ -64,6 +75,16 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # ---------------------------------------------------------------- engine thread
+    def _run(self, engine, failed: list[BaseException], ready: threading.Event) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as e:              # raised again by __init__ on the caller's thread
+            failed.append(e)
+            return
+        finally:
+            ready.set()
+        self._loop()
+
     def _loop(self) -> None:
         eng = self.engine
         try:

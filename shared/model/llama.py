@@ -14,6 +14,7 @@ from torch import nn
 
 from shared.model.config import ModelConfig
 from shared.model.rope import apply_rope, rope_tables
+from shared.ops import cpu_attention, rms_norm
 from shared.ops.attention import paged_attention
 from shared.ops.paged_attention import AttentionMetadata, write_kv
 
@@ -27,10 +28,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 like HF, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Computed in fp32 like HF, then cast back: in C on CPU where it runs, else in torch.
+        if rms_norm.supports(x, self.weight):
+            return rms_norm.rms_norm(x, self.weight, self.eps)
+        return rms_norm.reference(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -45,6 +46,11 @@ class Attention(nn.Module):
                 kv: KVCache) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)                                            # [T, (H + 2 KVH) Dh]
+        if not torch.is_grad_enabled() and qkv.is_contiguous() and cpu_attention.supports(qkv.view(t, -1, self.dh),
+                                                                                         kv[0]):
+            cpu_attention.rope_store(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, self.h, self.kvh, self.dh)
+            o = paged_attention(qkv[:, :self.h * self.dh].view(t, self.h, self.dh), kv[0], kv[1], meta, self.scale)
+            return self.o_proj(o.reshape(t, self.h * self.dh))
         q, k, v = qkv.split([self.h * self.dh, self.kvh * self.dh, self.kvh * self.dh], dim=-1)
         q = apply_rope(q.view(t, self.h, self.dh), cos, sin)              # [T, H, Dh]
         k = apply_rope(k.view(t, self.kvh, self.dh), cos, sin)            # [T, KVH, Dh]

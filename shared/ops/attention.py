@@ -1,8 +1,10 @@
-"""Picks the paged-attention implementation for the device: the Triton kernel on GPU, the torch reference on CPU."""
+"""Picks the paged-attention implementation for the device: the Triton kernel on GPU; on CPU the C kernel
+(shared.ops.cpu_attention) where it runs, else the torch reference."""
 from __future__ import annotations
 
 import torch
 
+from shared.ops import cpu_attention
 from shared.ops.paged_attention import MAX_TREE, AttentionMetadata, paged_attention_ref
 
 
@@ -12,4 +14,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.is_cuda and all(m.shape[0] <= MAX_TREE for m in meta.tree_masks.values()):   # bigger trees: the reference
         from shared.ops.paged_attention_triton import paged_attention_triton   # imported only where it runs
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    if cpu_attention.supports(q, k_cache):
+        return cpu_attention.paged_attention(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.ops import rows_gemm
+from shared.ops import rows_gemm, rows_gemm_bf16
 from shared.ops.rows_gemm import RowsWeight
+from shared.ops.rows_gemm_bf16 import RowsWeightBF16
 
 
 @functools.cache
@@ -38,22 +39,29 @@ def packable(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu":
         return False
     if weight.dtype == torch.bfloat16:
-        return packing_available()
+        return rows_gemm_bf16.packable(weight) or packing_available()
     return rows_gemm.packable(weight)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | RowsWeight:
-    """[O, I] CPU -> bf16: an opaque oneDNN tensor (no storage, never saved or moved); fp32: a RowsWeight."""
+Packed = torch.Tensor | RowsWeight | RowsWeightBF16
+
+
+def pack_weight(weight: torch.Tensor) -> Packed:
+    """[O, I] CPU -> bf16: panels for the AVX512-BF16 kernel where it runs (a RowsWeightBF16), else an opaque
+    oneDNN tensor (no storage, never saved or moved); fp32: a RowsWeight."""
     if weight.dtype == torch.float32:
         return RowsWeight(weight)
+    if rows_gemm_bf16.packable(weight):
+        return RowsWeightBF16(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor | RowsWeight, bias: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., I] @ packed [O, I]^T (+ bias) -> [..., O]."""
     if isinstance(packed, RowsWeight):
         return rows_gemm.rows_linear(x, packed, bias)
+    if isinstance(packed, RowsWeightBF16):
+        return rows_gemm_bf16.rows_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -71,7 +79,7 @@ class PackedLinear(nn.Module):
             self.weight = weight                                 # before `packed`: see __getattr__
         self.packed = pack_weight(weight)                        # not a buffer: .to() and state_dict skip it
         # bytes the packed copy holds (fp32 panels pad N to a multiple of 16; oneDNN's blocked copy: the weight's)
-        self.packed_nbytes = (self.packed.nbytes if isinstance(self.packed, RowsWeight)
+        self.packed_nbytes = (self.packed.nbytes if isinstance(self.packed, (RowsWeight, RowsWeightBF16))
                               else weight.numel() * weight.element_size())
 
     def __getattr__(self, name: str):
@@ -79,7 +87,7 @@ class PackedLinear(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             packed = self.__dict__.get("packed")
-            if name == "weight" and isinstance(packed, RowsWeight):
+            if name == "weight" and isinstance(packed, (RowsWeight, RowsWeightBF16)):
                 return packed.weight
             raise
 

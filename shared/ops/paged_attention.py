@@ -35,6 +35,7 @@ class AttentionMetadata:
     # instead of causally. Empty for plain steps.
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     tree_bits: torch.Tensor | None = None    # [T] int64, the Triton kernel's form of tree_masks (built on first use)
+    cpu_rows: tuple | None = None            # the CPU kernel's row descriptors (shared.ops.cpu_attention, first use)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

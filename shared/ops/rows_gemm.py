@@ -18,46 +18,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from shared.cache_dir import cache_dir
+from shared.ops import c_build
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 PANEL = 16                                            # output columns per panel (NR in the C source)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-
-
-def _build() -> Path:
-    """Compiles rows_gemm.c once per source and flags (an atomic rename, so concurrent processes may race)."""
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir("kernels", "UPESI_KERNEL_CACHE") / f"rows_gemm-{key}.so"
-    if out.exists():
-        return out
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise OSError("no C compiler (gcc or cc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 @functools.cache
@@ -67,7 +42,7 @@ def _lib() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):       # both imply FMA
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = c_build.load(SOURCE, FLAGS)
     except (OSError, subprocess.SubprocessError) as e:
         err = getattr(e, "stderr", b"") or b""
         log.warning("fp32 rows kernel unavailable, using F.linear: %s %s", e, err.decode(errors="replace")[-500:])

@@ -19,7 +19,7 @@ from upesi.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
-TOKENS = 16
+TOKENS = 160          # long enough that both streams are still open after the SIGTERM and the checks
 
 
 def child_pid(parent: int, command: str) -> int:

@@ -1,4 +1,6 @@
-"""Prepacked bf16 linears (shared.ops.packed_linear) against their torch reference, F.linear: bit-identical."""
+"""Prepacked bf16 linears (shared.ops.packed_linear) against their torch reference, F.linear: bit-identical on
+oneDNN's packed path; the AVX512-BF16 rows kernel (shared.ops.rows_gemm_bf16, where it runs) within bf16
+rounding of it, tested in tests/unit/test_rows_gemm_bf16.py."""
 from __future__ import annotations
 
 import pytest
@@ -11,9 +13,16 @@ from shared.ops.packed_linear import PackedLinear, pack_linears, packing_availab
 pytestmark = pytest.mark.skipif(not packing_available(), reason="no oneDNN prepacked bf16 linear (torch build or CPU)")
 
 
+@pytest.fixture
+def onednn(monkeypatch):
+    """bf16 packing into oneDNN's layout even where the AVX512-BF16 rows kernel would take it."""
+    from shared.ops import rows_gemm_bf16
+    monkeypatch.setattr(rows_gemm_bf16, "packable", lambda w: False)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 576), (9, 576), (40, 576), (2, 5, 576)])
-def test_packed_linear_equals_f_linear(shape, bias):
+def test_packed_linear_equals_f_linear(shape, bias, onednn):
     torch.manual_seed(0)
     lin = nn.Linear(576, 960, bias=bias).to(torch.bfloat16)
     x = torch.randn(*shape, dtype=torch.bfloat16)
@@ -23,7 +32,17 @@ def test_packed_linear_equals_f_linear(shape, bias):
     assert torch.equal(got, want)
 
 
-def test_pack_linears_replaces_bf16_cpu_linears_only(monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+def test_default_bf16_packing_is_within_rounding_of_f_linear(bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 960, bias=bias).to(torch.bfloat16)
+    x = torch.randn(2, 9, 576, dtype=torch.bfloat16)
+    got = PackedLinear(lin.weight, lin.bias)(x)
+    assert got.shape == (2, 9, 960) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-2, atol=1e-2)
+
+
+def test_pack_linears_replaces_bf16_cpu_linears_only(monkeypatch, onednn):
     from shared.ops import rows_gemm
 
     monkeypatch.setattr(rows_gemm, "available", lambda: False)         # fp32 packs only into the AVX2 rows kernel

@@ -301,12 +301,14 @@ def test_configs_name_the_shards():
 
 def test_bf16_shards_prepack_their_units_and_compute_what_plain_weights_compute(tiny_llama, tiny_mixtral,
                                                                                 monkeypatch):
-    """bf16 on CPU: dense slices and experts are PackedLinears (shared.ops.packed_linear), bit-identical to the
-    F.linear of the same bf16 weights, with the same byte count."""
+    """bf16 on CPU: dense slices and experts are PackedLinears (shared.ops.packed_linear), on oneDNN's packed path
+    bit-identical to the F.linear of the same bf16 weights, with the same byte count."""
     from services.experts import shard as shard_mod
+    from shared.ops import rows_gemm_bf16
     from shared.ops.packed_linear import PackedLinear, packing_available
     if not packing_available():
         pytest.skip("no oneDNN prepacked bf16 linear (torch build or CPU)")
+    monkeypatch.setattr(rows_gemm_bf16, "packable", lambda w: False)    # the AVX512-BF16 kernel pads its panels
     for path, dense in ((tiny_llama[0], True), (tiny_mixtral[0], False)):
         packed = ExpertShard(path, Placement(2, 0 if dense else 6), 0, torch.bfloat16, torch.device("cpu"))
         with monkeypatch.context() as m:

@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""Upesi as `make run` starts it, side by side with vLLM's CPU build and transformers, in one run.
+
+The stack is `upesi serve` with the Makefile's SERVE_ARGS (the default deployment) on free ports. The same chat
+prompts, greedy, `--tokens` new tokens with EOS ignored (every side does the same work), both sides warm:
+  single   each prompt alone; tokens/s averaged over prompts, TTFT the median
+  c4, c32  4 and 32 requests at once (the prompts repeated); tokens/s of the whole batch
+for Upesi's requests with `num_speculative_tokens: 0` (plain) and with the deployment's default (speculative).
+Beside tokens/s: time to first token, and CPU seconds per generated token (every process of the stack, or of
+the peer, divided by the tokens). The physical bound of single-stream plain decoding, (memory read bandwidth) /
+(weight bytes read per step), is measured on this machine and each single-stream figure given as a fraction of it.
+
+With `--vllm-python PATH` (the interpreter of a vLLM CPU install) and `--vllm-model DIR` (a Hugging Face folder
+of the same weights), vLLM runs in its own processes (bench/peer_vllm.py: in-process engine, every core,
+plain and n-gram speculation K = 4) in the same dtype as the stack; transformers `generate` runs unless
+--skip-hf. The peers and the stack are measured one after the other, never at the same time.
+
+    .venv/bin/python bench/bench_peers.py [--vllm-python ~/vllm/bin/python --vllm-model ~/smollm2-hf]
+        [--serve-args "..."] [--loads 1 4 32] [--tokens 128] [--dtype auto] [--skip-hf]
+
+Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from bench.bench_generate import PROMPTS, free_port  # noqa: E402
+
+
+def make_run_args() -> list[str]:
+    """The flags `make run` gives `upesi serve` (the Makefile's SERVE_ARGS)."""
+    out = subprocess.run(["make", "-s", "--no-print-directory", "serve-args"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    return shlex.split(out)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    return platform.processor() or "unknown CPU"
+
+
+def read_bandwidth_gbs(threads: int) -> float:
+    """Memory read bandwidth: the best of several sums over a 1 GiB fp32 tensor (far beyond the caches)."""
+    import torch
+    torch.set_num_threads(threads)
+    x = torch.ones(2**28)
+    best = 0.0
+    for _ in range(6):
+        t = time.perf_counter()
+        x.sum()
+        best = max(best, x.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+class ServeStack:
+    """`upesi serve` with the given flags on free ports; CPU time summed over it and its children."""
+
+    def __init__(self, args: list[str]) -> None:
+        port = lambda: str(free_port())            # noqa: E731
+        self.address = f"127.0.0.1:{free_port()}"
+        self.log = open(Path(tempfile.gettempdir()) / "upesi-bench-peers-serve.log", "w")
+        cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", *args,
+               "--address", self.address, "--http-port", port(), "--target-address", f"127.0.0.1:{free_port()}",
+               "--target-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}",
+               "--draft-metrics-port", "0", "--expert-metrics-port", "0"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, UPESI_PROGRESS="false"))
+        deadline = time.monotonic() + 900
+        while "upesi: serving on" not in Path(self.log.name).read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(Path(self.log.name).read_text()[-3000:])
+            time.sleep(0.5)
+        import grpc
+        from upesi.v1 import generation_pb2_grpc
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def cpu_s(self) -> float:
+        import psutil
+        total = 0.0
+        root = psutil.Process(self.proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def one(self, prompt: str, tokens: int, k: int | None) -> tuple[int, float]:
+        """One streamed request -> (completion tokens, seconds to the first token)."""
+        from upesi.v1 import generation_pb2 as pb
+        req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=prompt)], max_tokens=tokens,
+                                 temperature=0, ignore_eos=True)
+        if k is not None:
+            req.num_speculative_tokens = k
+        t0, ttft, n = time.perf_counter(), None, 0
+        for msg in self.stub.GenerateStream(req, timeout=900):
+            got = sum(len(c.token_ids) for c in msg.choices)
+            if got and ttft is None:
+                ttft = time.perf_counter() - t0
+            n += got
+        return n, ttft or 0.0
+
+    def run(self, prompts: list[str], tokens: int, k: int | None) -> dict[str, float]:
+        c, t = self.cpu_s(), time.perf_counter()
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: self.one(p, tokens, k), prompts))
+        wall, cpu = time.perf_counter() - t, self.cpu_s() - c
+        n = sum(o[0] for o in outs)
+        return {"tok_s": n / wall, "ttft_s": statistics.median(o[1] for o in outs), "cpu_s_per_tok": cpu / n}
+
+    def close(self) -> None:
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def measure_stack(stack: ServeStack, loads: list[int], tokens: int, reps: int, k: int | None) -> dict:
+    stack.run(PROMPTS[:1], tokens, k)                                    # warm-up, full length
+    out: dict[str, dict[str, float]] = {}
+    for load in loads:
+        if load == 1:
+            runs = [stack.run([p], tokens, k) for p in PROMPTS for _ in range(reps)]
+            out["single"] = {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
+            out["single"]["ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
+            continue
+        prompts = (PROMPTS * load)[:load]
+        stack.run(prompts, 8, k)
+        out[f"c{load}"] = max((stack.run(prompts, tokens, k) for _ in range(reps)), key=lambda r: r["tok_s"])
+    return out
+
+
+def measure_vllm(a: argparse.Namespace, dtype: str, ngram: int) -> dict:
+    prompts = Path(tempfile.gettempdir()) / "upesi-bench-peers-prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), VLLM_CPU_KVCACHE_SPACE="2", TOKENIZERS_PARALLELISM="false",
+               VLLM_NO_USAGE_STATS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    iomp = Path(a.vllm_python).resolve().parents[1] / "lib" / "libiomp5.so"     # vLLM's recommended preloads
+    preload = [p for p in [*a.vllm_preload, str(iomp) if iomp.exists() else None] if p]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    cmd = [a.vllm_python, str(ROOT / "bench" / "peer_vllm.py"), "--model", a.vllm_model, "--prompts-json",
+           str(prompts), "--dtype", dtype, "--tokens", str(a.tokens), "--reps", str(a.reps),
+           "--loads", *map(str, a.loads), "--ngram", str(ngram)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"vLLM run failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def measure_hf(a: argparse.Namespace, dtype: str) -> dict:
+    """transformers `generate` on the default model's GGUF (dequantised), single stream and 4 at once."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.model.loader import default_model_path
+    torch.set_num_threads(a.threads)
+    path = default_model_path()
+    d, f = os.path.dirname(path), os.path.basename(path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 2
+
+    def ids(p: str) -> list[int]:
+        x = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        return list(x["input_ids"] if hasattr(x, "keys") else x)
+
+    def run(prompts: list[str], tokens: int) -> dict[str, float]:
+        seqs = [ids(p) for p in prompts]
+        n = max(len(s) for s in seqs)
+        inp = torch.tensor([[pad] * (n - len(s)) + s for s in seqs])
+        att = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs])
+        c, t = time.process_time(), time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=inp, attention_mask=att, max_new_tokens=tokens, min_new_tokens=tokens,
+                                 do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad,
+                                 eos_token_id=None)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        made = (out.shape[1] - n) * len(seqs)
+        return {"tok_s": made / wall, "cpu_s_per_tok": cpu / made}
+
+    run(PROMPTS[:1], a.tokens)                                           # warm-up, full length
+    out = {}
+    for load in [x for x in a.loads if x <= 4]:
+        prompts = (PROMPTS * load)[:load]
+        runs = [run([p], a.tokens) for p in PROMPTS] if load == 1 else [run(prompts, a.tokens)]
+        r = {key: statistics.mean(x[key] for x in runs) for key in runs[0]}
+        r["ttft_s"] = statistics.median(run([p], 1)["tok_s"] ** -1 for p in prompts)
+        out["single" if load == 1 else f"c{load}"] = r
+    return out
+
+
+def weight_bytes(dtype: str) -> int:
+    """Bytes of weights a plain decode step reads (every linear layer, the LM head, norms) in `dtype`."""
+    from shared.model.loader import default_model_path, load_config
+    c = load_config(default_model_path())
+    per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim
+                 * c.hidden_size + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)
+    params = c.num_layers * per_layer + c.vocab_size * c.hidden_size + c.hidden_size
+    return params * (4 if dtype == "float32" else 2)
+
+
+def served_dtype(dtype: str) -> str:
+    import torch
+
+    from shared.engine.config import serving_dtype
+    return serving_dtype(dtype, torch.device("cpu"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--serve-args", default=None, help="flags of `upesi serve` (default: the Makefile's SERVE_ARGS, "
+                                                      "as `make run` starts it)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--loads", type=int, nargs="+", default=[1, 4, 32], help="concurrent requests (1 = single)")
+    ap.add_argument("--reps", type=int, default=2, help="runs per prompt (single) or per figure (best of)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of the peers (default: every core)")
+    ap.add_argument("--dtype", default="auto", help="the stack's --dtype; the peers run the dtype it resolves to")
+    ap.add_argument("--vllm-python", default=None, help="python of a vLLM CPU install (measures vLLM beside)")
+    ap.add_argument("--vllm-model", default=None, help="Hugging Face folder of the default model, for vLLM")
+    ap.add_argument("--vllm-preload", nargs="*", default=[], help="libraries to LD_PRELOAD into vLLM (tcmalloc)")
+    ap.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
+    ap.add_argument("--skip-spec", action="store_true", help="only plain requests through the stack")
+    a = ap.parse_args()
+    if a.vllm_python and not a.vllm_model:
+        ap.error("--vllm-python needs --vllm-model (a Hugging Face folder of the same weights)")
+
+    dtype = served_dtype(a.dtype)
+    serve = shlex.split(a.serve_args) if a.serve_args is not None else make_run_args()
+    results: dict[str, dict] = {}
+    stack = ServeStack([*serve, "--dtype", a.dtype])
+    try:
+        results["upesi plain"] = measure_stack(stack, a.loads, a.tokens, a.reps, 0)
+        if not a.skip_spec:
+            results["upesi default"] = measure_stack(stack, a.loads, a.tokens, a.reps, None)
+    finally:
+        stack.close()
+    if a.vllm_python:
+        results["vllm plain"] = measure_vllm(a, dtype, 0)
+        results["vllm ngram K=4"] = measure_vllm(a, dtype, 4)
+    if not a.skip_hf:
+        results["transformers"] = measure_hf(a, dtype)
+    bw = read_bandwidth_gbs(a.threads)
+    bound = bw * 1e9 / weight_bytes(dtype)
+
+    print(f"\n{cpu_name()}; dtype {dtype}; {a.tokens} greedy tokens (EOS ignored); `upesi serve {' '.join(serve)}`")
+    print(f"read bandwidth {bw:.1f} GB/s -> single-stream plain bound {bound:.1f} tok/s "
+          f"({weight_bytes(dtype) / 1e6:.0f} MB of weights per step)")
+    base = results.get("vllm plain", {})
+    cols = ["single" if x == 1 else f"c{x}" for x in a.loads]
+    print(f"{'tokens/s (TTFT s, CPU ms/token)':34}" + "".join(f"{c:>30}" for c in cols))
+    for name, r in results.items():
+        cells = []
+        for c in cols:
+            if c not in r:
+                cells.append(f"{'-':>30}")
+                continue
+            x = r[c]
+            ratio = f" {x['tok_s'] / base[c]['tok_s']:.2f}x" if c in base and name != "vllm plain" else ""
+            cells.append(f"{x['tok_s']:.1f}{ratio} ({x.get('ttft_s', float('nan')):.2f}, "
+                         f"{1e3 * x['cpu_s_per_tok']:.0f})".rjust(30))
+        print(f"{name:34}" + "".join(cells))
+    for name, r in results.items():
+        if "single" in r:
+            print(f"{name}: single stream at {r['single']['tok_s'] / bound:.0%} of the bandwidth bound")
+    print(json.dumps({"cpu": cpu_name(), "dtype": dtype, "tokens": a.tokens, "serve_args": serve,
+                      "read_bandwidth_gbs": bw, "bound_tok_s": bound, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

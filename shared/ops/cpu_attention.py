@@ -1,0 +1,175 @@
+"""Paged attention and RoPE + KV store on CPU in C (cpu_attention.c), for the rows of decodes, verifications and
+short prefill chunks; the torch reference (shared.ops.paged_attention) is what it is tested against.
+
+A decode step of the default model spends more time in the glue around attention than in it: per layer the torch
+path gathers every cached block of K and of V into new tensors, builds a mask, splits, rotates and stores K/V in a
+dozen small ops (about 150 us of a 490 us layer on a 2-core EPYC, bf16, batch 1). The C kernel reads K/V in place
+through the block table, one query row at a time, positions in order, so a row's result does not depend on the
+rows beside it (a verification row equals the decode row it stands for). Sequences with more than MAX_ROWS new
+tokens (long prefills) stay on the reference, whose SDPA is faster there.
+
+Built with shared.ops.c_build at first use; where it cannot run (no compiler, UPESI_CPU_ATTENTION=0, a self-check
+that disagrees with the reference) `available()` is False and the torch path runs.
+Shapes: T = rows of the step, H / KVH = query / kv heads, Dh = head dim, B = sequences, R = rows given to C.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from shared.ops import c_build
+from shared.ops.paged_attention import AttentionMetadata, _extend
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+MAX_ROWS = 65          # new tokens of one sequence handled in C (a draft tree of 64 nodes and its root)
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("UPESI_CPU_ATTENTION", "1") in ("0", "false", "no"):
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        lib = c_build.load(SOURCE, FLAGS)
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        log.warning("CPU attention kernel unavailable, using torch: %s %s", e, err.decode(errors="replace")[-500:])
+        return None
+    lib.upesi_rope_store.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P,
+                                     ctypes.c_int]
+    lib.upesi_paged_attention.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, _I]
+    for fn in (lib.upesi_rope_store, lib.upesi_paged_attention):
+        fn.restype = None
+    return lib
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the C kernels take q [T, H, Dh] against this cache [NB, BS, KVH, Dh]: CPU, fp32 or bf16 alike, head
+    dim a multiple of 8 and at most 512, at most 8 query heads per KV head."""
+    h, dh = q.shape[-2], q.shape[-1]
+    kvh = k_cache.shape[2]
+    return (q.device.type == "cpu" and k_cache.dtype == q.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and dh % 8 == 0 and dh <= 512 and h % kvh == 0 and h // kvh <= 8 and available())
+
+
+@functools.cache
+def available() -> bool:
+    """True where the kernel builds, loads and agrees with the torch reference on a small mixed step."""
+    if _lib() is None:
+        return False
+    ok = _agrees()
+    if not ok:
+        log.warning("CPU attention kernel disagrees with the torch reference on this machine; using torch")
+    return ok
+
+
+def _agrees() -> bool:
+    """A step of a decode, a 5-token chain and a 3-node draft tree over 2 KV heads x 2 query heads each, fp32: the
+    kernel's attention within 1e-5 of the reference and its RoPE + store equal to apply_rope + write_kv."""
+    from shared.model.rope import apply_rope
+    from shared.ops.paged_attention import paged_attention_ref, write_kv
+    from shared.engine.tree import ancestor_mask
+    g = torch.Generator().manual_seed(0)
+    nb, bs, kvh, h, dh = 8, 4, 2, 4, 16
+    kc, vc = torch.randn(nb, bs, kvh, dh, generator=g), torch.randn(nb, bs, kvh, dh, generator=g)
+    lens, qlens = [7, 9, 6], [1, 5, 4]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([10, 21, 22, 23, 24, 25, 28, 29, 30, 31]),
+        block_tables=torch.tensor([[2, 1, 0], [3, 4, 5], [6, 7, 0]]), seq_lens=torch.tensor(lens),
+        query_start_loc=torch.tensor([0, 1, 6, 10]), num_decodes=1, query_lens=qlens, seq_lens_host=lens,
+        max_query_len=5, tree_masks={2: ancestor_mask([-1, -1, 0])})
+    q = torch.randn(10, h, dh, generator=g)
+    if not torch.allclose(paged_attention(q, kc, vc, meta, 0.25), paged_attention_ref(q, kc, vc, meta, 0.25),
+                          rtol=1e-5, atol=1e-5):
+        return False
+    qkv = torch.randn(10, (h + 2 * kvh) * dh, generator=g)
+    cos, sin = torch.randn(10, dh, generator=g), torch.randn(10, dh, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, c, s = qkv.to(dtype), cos.to(dtype), sin.to(dtype)
+        k1, v1, k2, v2 = kc.to(dtype), vc.to(dtype), kc.to(dtype), vc.to(dtype)
+        qr, kr, v = x.split([h * dh, kvh * dh, kvh * dh], dim=-1)
+        want_q = apply_rope(qr.reshape(10, h, dh), c, s)
+        write_kv(k1, v1, apply_rope(kr.reshape(10, kvh, dh), c, s), v.reshape(10, kvh, dh), meta.slot_mapping)
+        got = x.clone()
+        rope_store(got, c, s, k2, v2, meta.slot_mapping, h, kvh, dh)
+        if not (torch.equal(got[:, :h * dh].view(10, h, dh), want_q) and torch.equal(k1, k2)
+                and torch.equal(v1, v2)):
+            return False
+    return True
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slots: torch.Tensor, h: int, kvh: int, dh: int) -> None:
+    """qkv [T, (H + 2 KVH) Dh] (contiguous rows): q and k rotated in place by cos / sin [T, Dh] (the qkv dtype),
+    then k and v stored at slots [T] of the caches [NB, BS, KVH, Dh]."""
+    t = qkv.shape[0]
+    if t == 0:
+        return
+    _lib().upesi_rope_store(qkv.data_ptr(), t, qkv.stride(0), h, kvh, dh, cos.contiguous().data_ptr(),
+                            sin.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                            int(qkv.dtype == torch.bfloat16))
+
+
+def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, list[int], int]:
+    """Once per step (the layers share it): [R, 5] int64 (row, sequence, cached positions before its new tokens,
+    index among them, tree bits) of the rows C computes, the sequences left to the reference, and the longest
+    sequence among the C rows."""
+    if meta.cpu_rows is None:
+        desc, long, start, longest = [], [], 0, 0
+        for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
+            if n > MAX_ROWS:
+                long.append(b)
+            else:
+                tree = meta.tree_masks.get(b)
+                bits = [-1] * n if tree is None else _tree_bits(tree.cpu())
+                desc.extend((start + j, b, length - n, j, bits[j]) for j in range(n))
+                longest = max(longest, length)
+            start += n
+        meta.cpu_rows = (torch.tensor(desc, dtype=torch.int64).view(-1, 5), long, longest)
+    return meta.cpu_rows
+
+
+def _tree_bits(mask: torch.Tensor) -> list[int]:
+    """[Q, Q] bool tree mask -> per row an int64 whose bit i says it attends new token i + 1 (all attend token 0)."""
+    out = []
+    for row in mask.tolist():
+        bits = sum(1 << (i - 1) for i, on in enumerate(row) if i and on)
+        out.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, Dh] (rows may be strided, heads contiguous) against the paged cache -> [T, H, Dh]."""
+    t, h, dh = q.shape
+    if q.stride(2) != 1 or q.stride(1) != dh:
+        q = q.contiguous()
+    out = torch.empty(t, h, dh, dtype=q.dtype)
+    rows, long, longest = _rows(meta)
+    starts = [0]
+    for n in meta.query_lens:
+        starts.append(starts[-1] + n)
+    if len(rows):
+        bt = meta.block_tables
+        _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),
+                                     v_cache.data_ptr(), bt.data_ptr(), bt.shape[1], k_cache.shape[1],
+                                     rows.data_ptr(), len(rows), h, k_cache.shape[2], dh, scale,
+                                     int(q.dtype == torch.bfloat16), longest)
+    for b in long:
+        lo, n = starts[b], meta.query_lens[b]
+        out[lo:lo + n] = _extend(q[lo:lo + n], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_host[b],
+                                 scale, meta.tree_masks.get(b))
+    return out

@@ -1,0 +1,83 @@
+"""RMSNorm on CPU in C (rms_norm.c): one call instead of the torch path's six small ops per norm.
+
+A decode step of the default model runs 61 norms; each is a handful of tiny tensor ops whose dispatch costs more
+than their arithmetic (about 14 us a norm on a 2-core EPYC, against 3 us for the C call). The reference is the
+torch path of shared.model.llama.RMSNorm (tests/unit/test_rms_norm.py); results agree to the last bit or two of
+the sum of squares (another summation order). Built with shared.ops.c_build at first use; UPESI_CPU_NORM=0, no
+compiler or a failed self-check leave the torch path. Shapes: T = rows, D = features (at most 8192).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from shared.ops import c_build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+MAX_D = 8192
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("UPESI_CPU_NORM", "1") in ("0", "false", "no"):
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        lib = c_build.load(SOURCE, FLAGS)
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        log.warning("CPU RMSNorm kernel unavailable, using torch: %s %s", e, err.decode(errors="replace")[-500:])
+        return None
+    lib.upesi_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.upesi_rms_norm.restype = None
+    return lib
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch path (as Hugging Face's LlamaRMSNorm): fp32 statistics, the row rounded to x's dtype, times w."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@functools.cache
+def available() -> bool:
+    if _lib() is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 100, generator=g), torch.randn(100, generator=g)
+    ok = all(torch.allclose(rms_norm(x.to(dt), w.to(dt), 1e-5).float(), reference(x.to(dt), w.to(dt), 1e-5).float(),
+                            rtol=1e-2 if dt == torch.bfloat16 else 1e-5, atol=1e-2 if dt == torch.bfloat16 else 1e-5)
+             for dt in (torch.float32, torch.bfloat16))
+    if not ok:
+        log.warning("CPU RMSNorm kernel disagrees with torch on this machine; using torch")
+    return ok
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
+            and x.shape[-1] <= MAX_D and x.stride(-1) == 1 and not (torch.is_grad_enabled() and
+                                                                    (x.requires_grad or weight.requires_grad))
+            and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (features contiguous), weight [D] of x's dtype -> [..., D]."""
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d) if x.dim() != 2 else x
+    y = torch.empty(x2.shape, dtype=x.dtype)
+    if x2.shape[0]:
+        _lib().upesi_rms_norm(x2.data_ptr(), x2.shape[0], x2.stride(0), d, weight.contiguous().data_ptr(), eps,
+                              y.data_ptr(), int(x.dtype == torch.bfloat16))
+    return y.view(x.shape)
