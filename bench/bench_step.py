@@ -9,6 +9,7 @@ parts add up to slightly more than an untimed step, printed beside them. Through
 is `upesi_step_seconds` on the target's /metrics; bench/bench_peers.py gives the tokens/s the client sees.
 
     .venv/bin/python bench/bench_step.py [--batch 1 4 32] [--dtype auto] [--steps 50] [--threads 2]
+        [--speculative eagle:models/eagle-smollm2-135m --tree-nodes 8]
 
 Prints a table (ms per step) and one JSON line. Figures, not assertions.
 """
@@ -59,6 +60,10 @@ def timed_parts(eng) -> dict[str, float]:
     wrap(eng.runner, "prepare", "prepare inputs")
     wrap(eng.scheduler, "schedule", "schedule")
     wrap(engine_mod, "sample", "sample")
+    if eng.proposer is not None:
+        wrap(eng, "_propose", "propose (draft model)")
+        wrap(eng, "_verify", "verify (acceptance, rollback)")
+        wrap(eng, "_hand_hidden", "hand hidden states to the proposer")
     del torch
     return totals
 
@@ -70,7 +75,8 @@ def run(eng, batch: int, steps: int, parts: dict[str, float] | None) -> float:
     from bench.bench_generate import PROMPTS
     tok = Tokenizer(eng.model_path)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True)
+    k = eng.cfg.num_speculative_tokens if eng.proposer is not None else 0      # up to K + 1 tokens a step
+    params = SamplingParams(temperature=0, max_tokens=steps * (k + 1) + 20, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"r{batch}-{i}", ids[i % len(ids)], params)
     for _ in range(10):                                        # prefill and a few decodes
@@ -94,6 +100,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: what the services serve on this CPU")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--speculative", default=None, help="a proposer inside the engine, e.g. "
+                    "eagle:models/eagle-smollm2-135m (steps then verify its drafts)")
+    ap.add_argument("--k", type=int, default=4, help="K with --speculative")
+    ap.add_argument("--tree-nodes", type=int, default=None, help="draft tree nodes with --speculative")
     a = ap.parse_args()
 
     import torch
@@ -101,7 +111,8 @@ def main() -> None:
     from shared.engine.config import EngineConfig, serving_dtype
     from shared.engine.engine import LLMEngine
     dtype = serving_dtype(a.dtype, torch.device("cpu"))
-    eng = LLMEngine(EngineConfig(progress=False, dtype=dtype, num_threads=a.threads))
+    eng = LLMEngine(EngineConfig(progress=False, dtype=dtype, num_threads=a.threads, speculative=a.speculative,
+                                 num_speculative_tokens=a.k, draft_tree_nodes=a.tree_nodes))
     out = {}
     plains = {b: run(eng, b, a.steps, None) for b in a.batch}       # untimed first, then with the clocks on
     parts = timed_parts(eng)
@@ -112,7 +123,7 @@ def main() -> None:
         out[f"batch_{b}"] = {"step_ms": 1e3 * plain, "step_ms_clocked": 1e3 * clocked, "parts_ms": per}
         layers = per.get("decoder layers (all)", 0.0)
         inside = per.get("attention block (all)", 0.0) + per.get("mlp (gate_up, silu, down)", 0.0)
-        print(f"\nbatch {b}: step {1e3 * plain:.2f} ms ({b / plain:.1f} tok/s); clocked {1e3 * clocked:.2f} ms")
+        print(f"\nbatch {b}: step {1e3 * plain:.2f} ms; clocked {1e3 * clocked:.2f} ms")
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
             print(f"  {k:34}{v:8.2f} ms")
         attn_rest = per.get("attention block (all)", 0) - per.get("qkv + o projections", 0)

@@ -29,8 +29,9 @@ class ServeConfig:
     num_threads: int | None = option(None, "target: torch CPU threads")
     wide_threads: int | None = option(None, "target: torch CPU threads of forward steps over 4 or more rows "
                                             "(verification, prefill, big batches; default: --num-threads)")
-    draft_num_threads: int | None = option(None, "draft service: torch CPU threads (default: every core; at batch 1 "
-                                                 "the draft and the target take turns, so each may use them all)")
+    draft_num_threads: int = option(1, "draft service: torch CPU threads. 1 by default: a draft step is a few small "
+                                       "matmuls, and a second OpenMP thread would spin on the core the target's "
+                                       "verification needs next (docs/performance.md)")
     device: str = option("auto", "target device: cpu, cuda or auto")
     dtype: str = option("auto", "weights and activations of the targets, draft and expert shards: " + DTYPE_HELP)
     expert_shards: int = option(0, "expert shard processes (0 = FFNs run in the target); they listen on the ports "
@@ -45,11 +46,13 @@ class ServeConfig:
     num_speculative_tokens: int = option(3, "default K for speculative decoding")
     adaptive_speculation: bool = option(True, "the targets adapt each request's K to its acceptance (1 .. K); "
                                               "false: always K")
-    speculative_max_requests: int = option(2, "with --draft: requests speculate only while at most this many are "
+    speculative_max_requests: int = option(1, "with --draft: requests speculate only while at most this many are "
                                               "in flight at the router (more: plain decoding on the target; "
                                               "0 = always)")
-    speculative_max_seqs: int = option(0, "the targets speculate only while at most this many sequences are "
-                                          "running (more: plain decoding until the batch shrinks; 0 = always)")
+    speculative_max_seqs: int = option(1, "the targets speculate only while at most this many sequences are "
+                                          "running (more: plain decoding until the batch shrinks; 0 = always). "
+                                          "1 by default: on CPUs a verification's extra rows cost more than "
+                                          "they save once a batch fills the matmuls (docs/performance.md)")
     draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
                                                   "probability of its draft path falls below this (0 = always K "
                                                   "drafts; default: the head's own, from eagle.json)")
@@ -84,7 +87,7 @@ class ServeConfig:
         if self.speculative_max_requests < 0:
             raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
         check_wide_threads(self.wide_threads)
-        if self.draft_num_threads is not None and self.draft_num_threads < 1:
+        if self.draft_num_threads < 1:
             raise ValueError(f"draft_num_threads must be at least 1, got {self.draft_num_threads}")
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
@@ -228,7 +231,7 @@ def main(args: argparse.Namespace) -> None:
                 "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
                 "--dtype", cfg.dtype, *confidence,
                 "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model,
-                "--num-threads", str(cfg.draft_num_threads or os.cpu_count() or 1)])
+                "--num-threads", str(cfg.draft_num_threads)])
             procs.append(_child(shards[len(procs)][2], env))
         for i, address in enumerate(cfg.target_addresses()):
             metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0

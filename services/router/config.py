@@ -14,7 +14,7 @@ class RouterConfig:
     target: str = option("127.0.0.1:50061", "target replica addresses, comma-separated")
     draft: str | None = option(None, "draft replica addresses, comma-separated: speculative requests go through "
                                      "them, each driving a Verify stream to the chosen target (default: none)")
-    speculative_max_requests: int = option(2, "with a draft service: a request speculates only while at most this "
+    speculative_max_requests: int = option(1, "with a draft service: a request speculates only while at most this "
                                               "many requests are in flight here, itself included; above it, it "
                                               "decodes plainly on the target (on a busy batch the relay and the "
                                               "verification rows cost more than speculation saves); 0 = always")

@@ -8,11 +8,13 @@
 // as the torch path: x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype, no fused
 // multiply-add), then k and v stored at their cache slots.
 //
-// upesi_paged_attention: one query row at a time, each row described by (row, seq, ctx, j, bits): it attends the
-// ctx cached positions before its sequence's new tokens, then new token i for i <= j where i == 0 or bit i - 1 of
-// `bits` is set (-1: causal; a draft tree's ancestors otherwise, shared.engine.tree). Scores, softmax and the
-// accumulator are fp32; positions are visited in order, so a row's result does not depend on the other rows of
-// the step: a verification row is computed as the decode row it replaces.
+// upesi_paged_attention: query rows described by (row, seq, ctx, j, bits): a row attends the ctx cached positions
+// before its sequence's new tokens, then new token i for i <= j where i == 0 or bit i - 1 of `bits` is set (-1:
+// causal; a draft tree's ancestors otherwise, shared.engine.tree). Rows come in blocks of one sequence (a
+// verification's rows, a decode alone), which read each K and V row once for all of them. Scores, softmax and the
+// accumulator are fp32; each score is its own dot product, and every sum over positions runs in position order over
+// the positions the row attends, so a row's result does not depend on the other rows of the step: a verification
+// row is computed as the decode row it replaces.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -122,84 +124,100 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// Whether a row (ctx, j, bits) attends position p of its sequence.
+static inline int attends(int64_t p, int64_t ctx, int64_t j, uint64_t bits) {
+    if (p < ctx) return 1;
+    int64_t i = p - ctx;
+    return i <= j && (i == 0 || ((bits >> (i - 1)) & 1u));
+}
+
 void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache,
                            const void *v_cache, const int64_t *block_tables, int64_t mb, int bs,
-                           const int64_t *rows, int64_t nrows, int h, int kvh, int dh, float scale, int bf16,
-                           int64_t max_len) {
+                           const int64_t *rows, const int64_t *blocks, int64_t nblocks, int h, int kvh, int dh,
+                           float scale, int bf16, int64_t max_len, int64_t max_rows) {
     int g = h / kvh, dv = dh / 8;                               // dh is a multiple of 8 (checked by the caller)
-    int64_t work = nrows * kvh, cap = (max_len > 0 ? max_len : 1) + 8;
+    int64_t work = nblocks * kvh, cap = (max_len > 0 ? max_len : 1) + 8;
     #pragma omp parallel if (work > 1)
     {
-        float *scores = malloc(sizeof(float) * (size_t)g * (size_t)cap);     // [G, n padded to 8]
+        // per row of a block and head: scores over the block's positions [rows, G, cap], q [rows, G, Dh], acc
+        float *scores = malloc(sizeof(float) * (size_t)(max_rows * g * cap));
+        float *qv = malloc(sizeof(float) * (size_t)(max_rows * g * dh));
+        float *acc = malloc(sizeof(float) * (size_t)(max_rows * g * dh));
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)cap);
-        float qv[8 * 512], acc[8 * 512], kv[8 * 512];
+        float kv[8 * 512];
         #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; w++) {
-            const int64_t *d = rows + (w / kvh) * 5;            // (row, seq, ctx, j, bits)
+            const int64_t *blk = blocks + (w / kvh) * 2;         // (first row descriptor, rows): one sequence's
+            const int64_t *d0 = rows + blk[0] * 5;               // rows (row, seq, ctx, j, bits), same ctx
+            int64_t nr = blk[1], ctx = d0[2], last_j = 0;
             int grp = (int)(w % kvh);
-            int64_t row = d[0], ctx = d[2], j = d[3];
-            uint64_t bits = (uint64_t)d[4];
-            const int64_t *table = block_tables + d[1] * mb;
-            int64_t n = 0;
-            for (int64_t p = 0; p < ctx; p++) slots[n++] = slot_of(table, p, bs);
-            for (int64_t i = 0; i <= j; i++)
-                if (i == 0 || ((bits >> (i - 1)) & 1u)) slots[n++] = slot_of(table, ctx + i, bs);
-            int64_t npad = (n + 7) / 8 * 8;
-            for (int e = 0; e < g; e++) load_row(q, row * q_stride + (int64_t)(grp * g + e) * dh, dh, bf16,
-                                                 qv + e * dh);
-            // scores, 8 positions at a time: each position's q . k is its own 8 lanes summed by one tree
+            for (int64_t r = 0; r < nr; r++) last_j = d0[r * 5 + 3] > last_j ? d0[r * 5 + 3] : last_j;
+            const int64_t *table = block_tables + d0[1] * mb;
+            int64_t n = ctx + last_j + 1, npad = (n + 7) / 8 * 8;   // the positions any row of the block attends
+            for (int64_t p = 0; p < n; p++) slots[p] = slot_of(table, p, bs);
+            for (int64_t r = 0; r < nr; r++)
+                for (int e = 0; e < g; e++)
+                    load_row(q, d0[r * 5] * q_stride + (int64_t)(grp * g + e) * dh, dh, bf16, qv + (r * g + e) * dh);
+            // scores, 8 positions at a time, each K row read once for all rows: every position's q . k is its own
+            // 8 lanes summed by one tree, whatever the chunk it falls in
             for (int64_t p0 = 0; p0 < npad; p0 += 8) {
                 for (int i = 0; i < 8; i++) {
                     if (p0 + i < n) load_row(k_cache, (slots[p0 + i] * kvh + grp) * dh, dh, bf16, kv + i * dh);
                     else memset(kv + i * dh, 0, sizeof(float) * (size_t)dh);
                 }
-                for (int e = 0; e < g; e++) {
+                for (int64_t re = 0; re < nr * g; re++) {
                     __m256 part[8];
                     for (int i = 0; i < 8; i++) {
                         __m256 a = _mm256_setzero_ps();
                         for (int x = 0; x < dv; x++)
-                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + e * dh + 8 * x),
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + re * dh + 8 * x),
                                                 _mm256_loadu_ps(kv + i * dh + 8 * x), a);
                         part[i] = a;
                     }
-                    _mm256_storeu_ps(scores + e * cap + p0, _mm256_mul_ps(hsum8(part), _mm256_set1_ps(scale)));
+                    _mm256_storeu_ps(scores + re * cap + p0, _mm256_mul_ps(hsum8(part), _mm256_set1_ps(scale)));
                 }
             }
-            for (int e = 0; e < g; e++) {                       // softmax over the n real scores
-                float *sc = scores + e * cap, m = -INFINITY;
-                for (int64_t p = 0; p < n; p++) m = sc[p] > m ? sc[p] : m;
-                __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
-                for (int64_t p = 0; p < npad; p += 8) {
-                    __m256 ex = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), mv));
-                    if (p + 8 > n) {                            // the padding weighs nothing
-                        __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - p)), lane);
-                        ex = _mm256_and_ps(ex, _mm256_castsi256_ps(live));
-                    }
-                    _mm256_storeu_ps(sc + p, ex);
-                    sum = _mm256_add_ps(sum, ex);
-                }
-                float lanes[8], total = 0.f;
-                _mm256_storeu_ps(lanes, sum);
-                for (int l = 0; l < 8; l++) total += lanes[l];
-                __m256 inv = _mm256_set1_ps(1.f / total);
-                for (int64_t p = 0; p < npad; p += 8) _mm256_storeu_ps(sc + p, _mm256_mul_ps(_mm256_loadu_ps(sc + p), inv));
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(g * dh));
-            for (int64_t p = 0; p < n; p++) {
-                load_row(v_cache, (slots[p] * kvh + grp) * dh, dh, bf16, kv);
+            // softmax of each row and head over the positions it attends, summed one by one in order
+            for (int64_t r = 0; r < nr; r++) {
+                int64_t j = d0[r * 5 + 3];
+                uint64_t bits = (uint64_t)d0[r * 5 + 4];
                 for (int e = 0; e < g; e++) {
-                    __m256 wgt = _mm256_set1_ps(scores[e * cap + p]);
-                    float *a = acc + e * dh;
-                    for (int x = 0; x < dv; x++)
-                        _mm256_storeu_ps(a + 8 * x, _mm256_fmadd_ps(wgt, _mm256_loadu_ps(kv + 8 * x),
-                                                                    _mm256_loadu_ps(a + 8 * x)));
+                    float *sc = scores + (r * g + e) * cap, m = -INFINITY, total = 0.f;
+                    for (int64_t p = 0; p < n; p++)
+                        if (attends(p, ctx, j, bits) && sc[p] > m) m = sc[p];
+                    __m256 mv = _mm256_set1_ps(m);
+                    for (int64_t p = 0; p < npad; p += 8)
+                        _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), mv)));
+                    for (int64_t p = 0; p < n; p++) {
+                        if (attends(p, ctx, j, bits)) total += sc[p];
+                        else sc[p] = 0.f;                      // weighs nothing below
+                    }
+                    float inv = 1.f / total;
+                    for (int64_t p = 0; p < n; p++) sc[p] *= inv;
                 }
             }
-            for (int e = 0; e < g; e++) store_row(out, row * out_stride + (int64_t)(grp * g + e) * dh, dh, bf16,
-                                                  acc + e * dh);
+            memset(acc, 0, sizeof(float) * (size_t)(nr * g * dh));
+            for (int64_t p = 0; p < n; p++) {                   // each V row read once, added in position order
+                load_row(v_cache, (slots[p] * kvh + grp) * dh, dh, bf16, kv);
+                for (int64_t r = 0; r < nr; r++) {
+                    if (!attends(p, ctx, d0[r * 5 + 3], (uint64_t)d0[r * 5 + 4])) continue;
+                    for (int e = 0; e < g; e++) {
+                        __m256 wgt = _mm256_set1_ps(scores[(r * g + e) * cap + p]);
+                        float *a = acc + (r * g + e) * dh;
+                        for (int x = 0; x < dv; x++)
+                            _mm256_storeu_ps(a + 8 * x, _mm256_fmadd_ps(wgt, _mm256_loadu_ps(kv + 8 * x),
+                                                                        _mm256_loadu_ps(a + 8 * x)));
+                    }
+                }
+            }
+            for (int64_t r = 0; r < nr; r++)
+                for (int e = 0; e < g; e++)
+                    store_row(out, d0[r * 5] * out_stride + (int64_t)(grp * g + e) * dh, dh, bf16,
+                              acc + (r * g + e) * dh);
         }
         free(scores);
+        free(qv);
+        free(acc);
         free(slots);
     }
 }

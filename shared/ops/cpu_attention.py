@@ -49,8 +49,8 @@ def _lib() -> ctypes.CDLL | None:
         return None
     lib.upesi_rope_store.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P,
                                      ctypes.c_int]
-    lib.upesi_paged_attention.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, ctypes.c_int,
-                                          ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, _I]
+    lib.upesi_paged_attention.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _P, _I, ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, _I, _I]
     for fn in (lib.upesi_rope_store, lib.upesi_paged_attention):
         fn.restype = None
     return lib
@@ -123,22 +123,32 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
                             int(qkv.dtype == torch.bfloat16))
 
 
-def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, list[int], int]:
+ROW_BLOCK = 8          # a sequence's rows per work item (a 9-row verification: blocks of 5 and 4, both threads busy)
+
+
+def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, list[int], int, int]:
     """Once per step (the layers share it): [R, 5] int64 (row, sequence, cached positions before its new tokens,
-    index among them, tree bits) of the rows C computes, the sequences left to the reference, and the longest
-    sequence among the C rows."""
+    index among them, tree bits) of the rows C computes, [NB, 2] (first row, rows) of their blocks (rows of one
+    sequence), the sequences left to the reference, the longest sequence among the C rows and the most rows of a
+    block."""
     if meta.cpu_rows is None:
-        desc, long, start, longest = [], [], 0, 0
+        desc, blocks, long, start, longest, widest = [], [], [], 0, 0, 1
         for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
             if n > MAX_ROWS:
                 long.append(b)
             else:
                 tree = meta.tree_masks.get(b)
                 bits = [-1] * n if tree is None else _tree_bits(tree.cpu())
+                parts = -(-n // ROW_BLOCK)
+                for i in range(parts):                    # n rows in `parts` blocks of nearly equal size
+                    lo, hi = i * n // parts, (i + 1) * n // parts
+                    blocks.append((len(desc) + lo, hi - lo))
+                    widest = max(widest, hi - lo)
                 desc.extend((start + j, b, length - n, j, bits[j]) for j in range(n))
                 longest = max(longest, length)
             start += n
-        meta.cpu_rows = (torch.tensor(desc, dtype=torch.int64).view(-1, 5), long, longest)
+        meta.cpu_rows = (torch.tensor(desc, dtype=torch.int64).view(-1, 5),
+                         torch.tensor(blocks, dtype=torch.int64).view(-1, 2), long, longest, widest)
     return meta.cpu_rows
 
 
@@ -158,7 +168,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1 or q.stride(1) != dh:
         q = q.contiguous()
     out = torch.empty(t, h, dh, dtype=q.dtype)
-    rows, long, longest = _rows(meta)
+    rows, blocks, long, longest, widest = _rows(meta)
     starts = [0]
     for n in meta.query_lens:
         starts.append(starts[-1] + n)
@@ -166,8 +176,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         bt = meta.block_tables
         _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),
                                      v_cache.data_ptr(), bt.data_ptr(), bt.shape[1], k_cache.shape[1],
-                                     rows.data_ptr(), len(rows), h, k_cache.shape[2], dh, scale,
-                                     int(q.dtype == torch.bfloat16), longest)
+                                     rows.data_ptr(), blocks.data_ptr(), len(blocks), h, k_cache.shape[2], dh,
+                                     scale, int(q.dtype == torch.bfloat16), longest, widest)
     for b in long:
         lo, n = starts[b], meta.query_lens[b]
         out[lo:lo + n] = _extend(q[lo:lo + n], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_host[b],
