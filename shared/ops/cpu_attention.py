@@ -17,8 +17,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -37,15 +35,8 @@ _I = ctypes.c_int64
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("UPESI_CPU_ATTENTION", "1") in ("0", "false", "no"):
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    try:
-        lib = c_build.load(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as e:
-        err = getattr(e, "stderr", b"") or b""
-        log.warning("CPU attention kernel unavailable, using torch: %s %s", e, err.decode(errors="replace")[-500:])
+    lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_CPU_ATTENTION", "CPU attention kernel")
+    if lib is None:
         return None
     lib.upesi_rope_store.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P,
                                      ctypes.c_int]

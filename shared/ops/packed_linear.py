@@ -58,10 +58,10 @@ def pack_weight(weight: torch.Tensor) -> Packed:
 
 def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., I] @ packed [O, I]^T (+ bias) -> [..., O]."""
+    if isinstance(packed, RowsWeightBF16):                   # before RowsWeight: its subclass
+        return rows_gemm_bf16.rows_linear(x, packed, bias)
     if isinstance(packed, RowsWeight):
         return rows_gemm.rows_linear(x, packed, bias)
-    if isinstance(packed, RowsWeightBF16):
-        return rows_gemm_bf16.rows_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -79,7 +79,7 @@ class PackedLinear(nn.Module):
             self.weight = weight                                 # before `packed`: see __getattr__
         self.packed = pack_weight(weight)                        # not a buffer: .to() and state_dict skip it
         # bytes the packed copy holds (fp32 panels pad N to a multiple of 16; oneDNN's blocked copy: the weight's)
-        self.packed_nbytes = (self.packed.nbytes if isinstance(self.packed, (RowsWeight, RowsWeightBF16))
+        self.packed_nbytes = (self.packed.nbytes if isinstance(self.packed, RowsWeight)
                               else weight.numel() * weight.element_size())
 
     def __getattr__(self, name: str):
@@ -87,7 +87,7 @@ class PackedLinear(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             packed = self.__dict__.get("packed")
-            if name == "weight" and isinstance(packed, (RowsWeight, RowsWeightBF16)):
+            if name == "weight" and isinstance(packed, RowsWeight):
                 return packed.weight
             raise
 

@@ -8,20 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t f32_to_bf16(float f) {          // round to nearest even, as torch (NaN kept quiet)
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 // x [T, D] (rows ldx apart), w [D], y [T, D] contiguous; all of the dtype (bf16 = 1: bfloat16, else float32).
 void upesi_rms_norm(const void *x, int64_t t, int64_t ldx, int64_t d, const void *w, float eps, void *y,

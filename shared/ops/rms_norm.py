@@ -11,8 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -28,15 +26,8 @@ MAX_D = 8192
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("UPESI_CPU_NORM", "1") in ("0", "false", "no"):
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    try:
-        lib = c_build.load(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as e:
-        err = getattr(e, "stderr", b"") or b""
-        log.warning("CPU RMSNorm kernel unavailable, using torch: %s %s", e, err.decode(errors="replace")[-500:])
+    lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_CPU_NORM", "CPU RMSNorm kernel")
+    if lib is None:
         return None
     lib.upesi_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]

@@ -19,8 +19,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -37,15 +35,8 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("UPESI_ROWS_GEMM", "1") in ("0", "false", "no"):
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):       # both imply FMA
-        return None
-    try:
-        lib = c_build.load(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as e:
-        err = getattr(e, "stderr", b"") or b""
-        log.warning("fp32 rows kernel unavailable, using F.linear: %s %s", e, err.decode(errors="replace")[-500:])
+    lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_ROWS_GEMM", "fp32 rows kernel")
+    if lib is None:
         return None
     fn = lib.upesi_rows_gemm
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -97,14 +88,15 @@ def _run(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 class RowsWeight:
     """An [N, K] fp32 weight in panels for `rows_linear`; `weight` unpacks a copy for the rare reader (autograd,
     quantisation, other kernels). Not a tensor, so `.to()` and state_dict never see it."""
+    pack, unpack = staticmethod(pack), staticmethod(unpack)
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
-        self.panels = pack(weight)                                           # [P, K, 16]
+        self.panels = self.pack(weight)
 
     @property
     def weight(self) -> torch.Tensor:
-        return unpack(self.panels, self.out_features)
+        return self.unpack(self.panels, self.out_features)
 
     @property
     def nbytes(self) -> int:

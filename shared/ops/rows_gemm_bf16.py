@@ -17,8 +17,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 
 from shared.engine.config import cpu_has_native_bf16
 from shared.ops import c_build
+from shared.ops.rows_gemm import RowsWeight
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +47,10 @@ def _has_avx512_bf16() -> bool:
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("UPESI_ROWS_GEMM", "1") in ("0", "false", "no") or not cpu_has_native_bf16():
+    if not cpu_has_native_bf16() or not _has_avx512_bf16():
         return None
-    if not _has_avx512_bf16():
-        return None
-    try:
-        lib = c_build.load(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as e:
-        err = getattr(e, "stderr", b"") or b""
-        log.warning("bf16 rows kernel unavailable, using oneDNN: %s %s", e, err.decode(errors="replace")[-500:])
+    lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_ROWS_GEMM", "bf16 rows kernel")
+    if lib is None:
         return None
     fn = lib.upesi_rows_gemm_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -116,20 +110,9 @@ def run(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
     return y
 
 
-class RowsWeightBF16:
-    """An [N, K] bf16 weight in panels for `rows_linear`; `weight` unpacks a copy for the rare reader."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.panels = pack(weight)                                           # [P, KK, 32]
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return unpack(self.panels, self.out_features)
-
-    @property
-    def nbytes(self) -> int:
-        return self.panels.numel() * self.panels.element_size()
+class RowsWeightBF16(RowsWeight):
+    """An [N, K] bf16 weight in this kernel's panels for `rows_linear`."""
+    pack, unpack = staticmethod(pack), staticmethod(unpack)
 
 
 def rows_linear(x: torch.Tensor, w: RowsWeightBF16, bias: torch.Tensor | None = None) -> torch.Tensor:

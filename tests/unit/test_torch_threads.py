@@ -1,0 +1,63 @@
+"""Every torch operation of a service on one thread: the target's engine is built on its engine thread, the draft
+service's proposer on shared.torch_thread's (shared/torch_thread.py says why)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from shared import torch_thread
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from tests.parity.test_tiny_llama import save_tiny
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny(path, None)
+    return str(path)
+
+
+def test_async_engine_builds_its_engine_on_the_thread_that_steps_it(tiny_llama):
+    threads: dict[str, int] = {}
+
+    def build() -> LLMEngine:
+        threads["built"] = threading.get_ident()
+        return LLMEngine(EngineConfig(model=tiny_llama, progress=False, kv_cache_gb=0.01))
+
+    def on_step(engine: LLMEngine) -> None:
+        threads["stepped"] = threading.get_ident()
+
+    eng = AsyncEngine(build, on_step=on_step)
+    try:
+        async def run() -> list[int]:
+            out = []
+            async for d in eng.generate("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)):
+                out += d.token_ids
+            return out
+        tokens = asyncio.run(run())
+        assert len(tokens) == 4
+        assert threads["built"] == threads["stepped"] != threading.get_ident()
+    finally:
+        eng.stop()
+
+
+def test_a_failing_factory_raises_to_the_caller():
+    def build() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(build)
+
+
+def test_torch_thread_runs_calls_in_order_on_one_thread():
+    seen = [torch_thread.call(threading.get_ident)]
+
+    async def many() -> list[int]:
+        return list(await asyncio.gather(*(torch_thread.run(threading.get_ident) for _ in range(8))))
+    seen += asyncio.run(many())
+    assert len(set(seen)) == 1 and seen[0] != threading.get_ident()
