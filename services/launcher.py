@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -112,8 +113,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, ServeConfig)
 
 
+@functools.cache
+def _prctl():
+    """libc's prctl, looked up in the launcher (never between fork and exec), or None off Linux."""
+    if sys.platform != "linux":
+        return None
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with_parent() -> None:
+    """In a child before it runs: Linux sends it SIGTERM when the launcher dies, even by SIGKILL, so that no
+    service outlives `upesi serve`."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(1, signal.SIGTERM)                  # PR_SET_PDEATHSIG
+
+
 def _child(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "services.cli", *args], start_new_session=True,
+                            preexec_fn=_die_with_parent if _prctl() is not None else None,
                             env=None if env is None else {**os.environ, **env})
 
 
@@ -192,10 +214,17 @@ def main(args: argparse.Namespace) -> None:
     threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
     threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []
     procs: list[subprocess.Popen] = []
+    stopping = False
+
     def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        if stopping:                              # a second Ctrl-C or SIGTERM: the stop already under way goes on
+            return
+        stopping = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         registry = ["--registry", cfg.registry] if cfg.registry else []
         placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []

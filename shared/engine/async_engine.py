@@ -52,9 +52,15 @@ class AsyncEngine:
         out: asyncio.Queue = asyncio.Queue()
         done = asyncio.get_running_loop().create_future()
         self._inbox.put(("add", request_id, prompt, params, loop, out, done))
-        await done                                    # raises InvalidRequest from the engine thread
         remaining = params.n
         try:
+            try:
+                await done                            # raises InvalidRequest from the engine thread
+            except asyncio.CancelledError:
+                raise                                 # the caller left before admission: aborted below
+            except BaseException:
+                remaining = 0                         # refused: nothing to abort
+                raise
             while remaining:
                 item = await out.get()
                 if isinstance(item, BaseException):
