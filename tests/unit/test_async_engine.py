@@ -12,16 +12,8 @@ from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import InvalidRequest, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    from tests.parity.test_tiny_llama import save_tiny
-    path = tmp_path_factory.mktemp("llama")
-    save_tiny(path, None)
-    return str(path)
-
-
-def test_cancelled_before_admission_is_aborted(tiny_llama):
-    eng = AsyncEngine(lambda: LLMEngine(EngineConfig(model=tiny_llama, progress=False, kv_cache_gb=0.01,
+def test_cancelled_before_admission_is_aborted(tiny_llama_dir):
+    eng = AsyncEngine(lambda: LLMEngine(EngineConfig(model=tiny_llama_dir, progress=False, kv_cache_gb=0.01,
                                                      max_model_len=256)))
     try:
         async def leave_early() -> None:
@@ -41,8 +33,8 @@ def test_cancelled_before_admission_is_aborted(tiny_llama):
         eng.stop()
 
 
-def test_a_refused_request_raises_and_aborts_nothing(tiny_llama):
-    eng = AsyncEngine(lambda: LLMEngine(EngineConfig(model=tiny_llama, progress=False, kv_cache_gb=0.01,
+def test_a_refused_request_raises_and_aborts_nothing(tiny_llama_dir):
+    eng = AsyncEngine(lambda: LLMEngine(EngineConfig(model=tiny_llama_dir, progress=False, kv_cache_gb=0.01,
                                                      max_model_len=256)))
     try:
         async def refused() -> None:

@@ -14,20 +14,12 @@ from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    from tests.parity.test_tiny_llama import save_tiny
-    path = tmp_path_factory.mktemp("llama")
-    save_tiny(path, None)
-    return str(path)
-
-
-def test_async_engine_builds_its_engine_on_the_thread_that_steps_it(tiny_llama):
+def test_async_engine_builds_its_engine_on_the_thread_that_steps_it(tiny_llama_dir):
     threads: dict[str, int] = {}
 
     def build() -> LLMEngine:
         threads["built"] = threading.get_ident()
-        return LLMEngine(EngineConfig(model=tiny_llama, progress=False, kv_cache_gb=0.01))
+        return LLMEngine(EngineConfig(model=tiny_llama_dir, progress=False, kv_cache_gb=0.01))
 
     def on_step(engine: LLMEngine) -> None:
         threads["stepped"] = threading.get_ident()
