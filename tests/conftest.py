@@ -89,7 +89,7 @@ def hf_greedy(hf_model, chat_prompt_ids) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
-    """A 2-layer Llama checkpoint (tests/parity/test_tiny_llama.py's) saved once for the session."""
+    """A 2-layer Llama checkpoint (tests/parity/test_tiny_llama.py's), saved once per test run."""
     from tests.parity.test_tiny_llama import save_tiny
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny(path, None)
