@@ -28,8 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def timed_parts(eng) -> dict[str, float]:
     """Wraps the model's modules (by kind) and the runner's and engine's phases with clocks; returns the totals."""
-    import torch
-
     from shared.engine import engine as engine_mod
     totals: dict[str, float] = collections.defaultdict(float)
 
@@ -64,7 +62,6 @@ def timed_parts(eng) -> dict[str, float]:
         wrap(eng, "_propose", "propose (draft model)")
         wrap(eng, "_verify", "verify (acceptance, rollback)")
         wrap(eng, "_hand_hidden", "hand hidden states to the proposer")
-    del torch
     return totals
 
 

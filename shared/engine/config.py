@@ -1,6 +1,8 @@
 """The engine's own settings (the target service's config carries them)."""
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -114,14 +116,19 @@ def serving_dtype(name: str, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (the avx512_bf16 or amx_bf16 flag of /proc/cpuinfo, Linux)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (the avx512_bf16 or amx_bf16 flag)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

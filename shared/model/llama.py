@@ -46,10 +46,10 @@ class Attention(nn.Module):
                 kv: KVCache) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)                                            # [T, (H + 2 KVH) Dh]
-        if not torch.is_grad_enabled() and qkv.is_contiguous() and cpu_attention.supports(qkv.view(t, -1, self.dh),
-                                                                                         kv[0]):
+        q = qkv[:, :self.h * self.dh].view(t, self.h, self.dh)            # [T, H, Dh], rows strided
+        if not torch.is_grad_enabled() and qkv.is_contiguous() and cpu_attention.supports(q, kv[0]):
             cpu_attention.rope_store(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, self.h, self.kvh, self.dh)
-            o = paged_attention(qkv[:, :self.h * self.dh].view(t, self.h, self.dh), kv[0], kv[1], meta, self.scale)
+            o = cpu_attention.paged_attention(q, kv[0], kv[1], meta, self.scale)   # q rotated in place
             return self.o_proj(o.reshape(t, self.h * self.dh))
         q, k, v = qkv.split([self.h * self.dh, self.kvh * self.dh, self.kvh * self.dh], dim=-1)
         q = apply_rope(q.view(t, self.h, self.dh), cos, sin)              # [T, H, Dh]

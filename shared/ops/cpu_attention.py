@@ -120,13 +120,13 @@ ROW_BLOCK = 8          # a sequence's rows per work item (a 9-row verification: 
 def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, list[int], int, int]:
     """Once per step (the layers share it): [R, 5] int64 (row, sequence, cached positions before its new tokens,
     index among them, tree bits) of the rows C computes, [NB, 2] (first row, rows) of their blocks (rows of one
-    sequence), the sequences left to the reference, the longest sequence among the C rows and the most rows of a
-    block."""
+    sequence), (sequence, first row) of those left to the reference, the longest sequence among the C rows and
+    the most rows of a block."""
     if meta.cpu_rows is None:
         desc, blocks, long, start, longest, widest = [], [], [], 0, 0, 1
         for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
             if n > MAX_ROWS:
-                long.append(b)
+                long.append((b, start))
             else:
                 tree = meta.tree_masks.get(b)
                 bits = [-1] * n if tree is None else _tree_bits(tree.cpu())
@@ -160,17 +160,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q = q.contiguous()
     out = torch.empty(t, h, dh, dtype=q.dtype)
     rows, blocks, long, longest, widest = _rows(meta)
-    starts = [0]
-    for n in meta.query_lens:
-        starts.append(starts[-1] + n)
     if len(rows):
         bt = meta.block_tables
         _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),
                                      v_cache.data_ptr(), bt.data_ptr(), bt.shape[1], k_cache.shape[1],
                                      rows.data_ptr(), blocks.data_ptr(), len(blocks), h, k_cache.shape[2], dh,
                                      scale, int(q.dtype == torch.bfloat16), longest, widest)
-    for b in long:
-        lo, n = starts[b], meta.query_lens[b]
+    for b, lo in long:
+        n = meta.query_lens[b]
         out[lo:lo + n] = _extend(q[lo:lo + n], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_host[b],
                                  scale, meta.tree_masks.get(b))
     return out

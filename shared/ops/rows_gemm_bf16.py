@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.engine.config import cpu_has_native_bf16
+from shared.engine.config import cpu_flags
 from shared.ops import c_build
 from shared.ops.rows_gemm import RowsWeight
 
@@ -34,20 +34,9 @@ PANEL, TILE = 16, 64          # output columns per panel; per tile of 4 panels (
 MAX_ROWS = 24                 # more rows than this: oneDNN
 
 
-def _has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512_bf16" in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
-
-
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if not cpu_has_native_bf16() or not _has_avx512_bf16():
+    if "avx512_bf16" not in cpu_flags():
         return None
     lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_ROWS_GEMM", "bf16 rows kernel")
     if lib is None:
