@@ -15,52 +15,12 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import shared.ops.paged_attention_triton as pat  # noqa: E402
-from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref, write_kv  # noqa: E402
+from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref  # noqa: E402
+from tests.paged_batches import MIXED, SHARE, make_batch, random_parents  # noqa: E402
 
 if not isinstance(pat._paged_attention_kernel, InterpretedFunction):  # imported earlier without the variable
     pat = importlib.reload(pat)
 PagedAttentionError, paged_attention_triton = pat.PagedAttentionError, pat.paged_attention_triton
-
-# (seq_len after the step, new tokens): 4 decodes (a 1-token sequence, a full block + 1, a partial block, exactly
-# one block), then a whole 20-token prompt, a 13-token chunk after 37 cached, and two K+1 = 4 verifications
-MIXED = [(1, 1), (17, 1), (40, 1), (16, 1), (20, 20), (50, 13), (37, 4), (19, 4)]
-SHARE = [(2, 5, 2), (6, 2, 2)]   # (seq, from seq, blocks): seq's first blocks are the other's physical blocks
-
-
-def make_batch(lens: list[tuple[int, int]], share: list[tuple[int, int, int]], h: int, kvh: int, dh: int,
-               bs: int, dtype: torch.dtype = torch.float32, seed: int = 0
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """-> q [T, H, Dh], k/v caches [NB, BS, KVH, Dh] holding this step's K/V, and the step's metadata."""
-    g = torch.Generator().manual_seed(seed)
-    nblocks = [(n + bs - 1) // bs for n, _ in lens]
-    num_blocks = sum(nblocks) + 3                                   # spare blocks hold junk nobody may read
-    ids = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[ids.pop() for _ in range(nb)] for nb in nblocks]
-    for dst, src, n in share:                                       # only whole blocks of cached context
-        assert n * bs <= min(lens[dst][0] - lens[dst][1], lens[src][0] - lens[src][1])
-        tables[dst][:n] = tables[src][:n]
-    mb = max(nblocks) + 1                                           # a padding column of zeros at least
-    block_tables = torch.tensor([t + [0] * (mb - len(t)) for t in tables], dtype=torch.int64)  # [B, MB]
-
-    k_cache = torch.randn(num_blocks, bs, kvh, dh, generator=g).to(dtype)                      # the cached context
-    v_cache = torch.randn(num_blocks, bs, kvh, dh, generator=g).to(dtype)
-    slots = [tables[b][p // bs] * bs + p % bs for b, (n, q) in enumerate(lens) for p in range(n - q, n)]
-    t = len(slots)
-    q_lens = [q for _, q in lens]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),                                   # [T]
-        block_tables=block_tables,
-        seq_lens=torch.tensor([n for n, _ in lens], dtype=torch.int64),                        # [B]
-        query_start_loc=torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int64),  # [B + 1]
-        num_decodes=next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens)),
-        query_lens=q_lens,
-        seq_lens_host=[n for n, _ in lens],
-        max_query_len=max(q_lens),
-    )
-    write_kv(k_cache, v_cache, torch.randn(t, kvh, dh, generator=g), torch.randn(t, kvh, dh, generator=g),
-             meta.slot_mapping)
-    q = torch.randn(t, h, dh, generator=g).to(dtype)                                           # [T, H, Dh]
-    return q, k_cache, v_cache, meta
 
 
 def check(lens: list[tuple[int, int]], share: list[tuple[int, int, int]], h: int, kvh: int, dh: int, bs: int,
@@ -122,12 +82,6 @@ def test_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         paged_attention_triton(q, k_cache, v_cache, meta, 0.125)
 
 
-def _random_parents(n: int, seed: int) -> list[int]:
-    """A random draft tree of n nodes in depth order (each node's parent comes before it; -1 = the root)."""
-    rng = torch.Generator().manual_seed(seed)
-    return [-1] + [int(torch.randint(-1, i, (1,), generator=rng)) for i in range(1, n)]
-
-
 @pytest.mark.parametrize("h,kvh", [(4, 2), (6, 2)], ids=str)
 def test_draft_trees_match_reference(h: int, kvh: int) -> None:
     """Draft trees verified beside decodes and a 70-token prefill (rows past the 64 mask bits stay causal): a
@@ -135,7 +89,7 @@ def test_draft_trees_match_reference(h: int, kvh: int) -> None:
     against the reference with the same ancestor masks."""
     from shared.engine.tree import ancestor_mask
 
-    trees = {2: [-1, -1, 0], 4: _random_parents(9, 2), 5: _random_parents(64, 3)}
+    trees = {2: [-1, -1, 0], 4: random_parents(9, 2), 5: random_parents(64, 3)}
     lens = [(17, 1), (40, 1), (30, 4), (90, 70), (25, 10), (100, 65)]
     q, k_cache, v_cache, meta = make_batch(lens, [(5, 0, 1)], h, kvh, 64, 16)
     meta.tree_masks = {b: ancestor_mask(p) for b, p in trees.items()}
