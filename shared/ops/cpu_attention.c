@@ -42,9 +42,38 @@ static inline void store_row(void *base, int64_t off, int n, int bf16, const flo
     }
 }
 
+// fp32 lanes rounded to bf16 (round to nearest even, NaN kept quiet) and back: f32_to_bf16 of bf16.h, 8 at once.
+static inline __m256 round_bf16_8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x400000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, quiet, nan));
+}
+
+// x * cos + rot * sin for 8 lanes, each product and the sum rounded to bf16 where bf16 (no fused multiply-add).
+static inline __m256 rope8(__m256 x, __m256 rot, __m256 c, __m256 s, int bf16) {
+    __m256 a = _mm256_mul_ps(x, c), b = _mm256_mul_ps(rot, s);
+    if (!bf16) return _mm256_add_ps(a, b);
+    return round_bf16_8(_mm256_add_ps(round_bf16_8(a), round_bf16_8(b)));
+}
+
 // One head [Dh] rotated in place by this row's cos / sin [Dh] (values of the dtype, so no rounding of them here).
 static void rope_head(float *x, const float *cos, const float *sin, int dh, int bf16) {
     int half = dh / 2;
+    if (half % 8 == 0) {
+        __m256 neg = _mm256_set1_ps(-0.f);
+        for (int d = 0; d < half; d += 8) {
+            __m256 lo = _mm256_loadu_ps(x + d), hi = _mm256_loadu_ps(x + half + d);
+            __m256 out_lo = rope8(lo, _mm256_xor_ps(hi, neg), _mm256_loadu_ps(cos + d), _mm256_loadu_ps(sin + d), bf16);
+            __m256 out_hi = rope8(hi, lo, _mm256_loadu_ps(cos + half + d), _mm256_loadu_ps(sin + half + d), bf16);
+            _mm256_storeu_ps(x + d, out_lo);
+            _mm256_storeu_ps(x + half + d, out_hi);
+        }
+        return;
+    }
     float r[512];
     for (int d = 0; d < dh; d++) {
         float rot = d < half ? -x[d + half] : x[d - half];
@@ -117,6 +146,71 @@ static inline int attends(int64_t p, int64_t ctx, int64_t j, uint64_t bits) {
     return i <= j && (i == 0 || ((bits >> (i - 1)) & 1u));
 }
 
+// Sum of a row's attended (exponentiated) scores, by one fixed procedure over them in position order: 8 lanes
+// over whole groups of 8, one tree across the lanes, then the rest one by one. A row that attends the same
+// positions in the same order gets the same total whatever else the step holds.
+static inline float ordered_sum(const float *x, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    float total = _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+    for (; i < n; i++) total += x[i];
+    return total;
+}
+
+// Rows of the positions p0 .. p0 + 7 of one kv head into dst [8, Dh] as fp32 (zeros past n).
+static inline void load_tile(const void *cache, const int64_t *slots, int64_t p0, int64_t n, int kvh, int grp, int dh,
+                             int bf16, float *dst) {
+    int64_t esz = bf16 ? 2 : 4, row = dh * esz;
+    for (int64_t p = p0 + 8; p < p0 + 16 && p < n; p++)              // the next tile's rows, while this one converts
+        for (int64_t b = 0; b < row; b += 64)
+            _mm_prefetch((const char *)cache + (slots[p] * kvh + grp) * row + b, _MM_HINT_T0);
+    for (int i = 0; i < 8; i++) {
+        if (p0 + i < n) load_row(cache, (slots[p0 + i] * kvh + grp) * dh, dh, bf16, dst + i * dh);
+        else memset(dst + i * dh, 0, sizeof(float) * (size_t)dh);
+    }
+}
+
+// q [Dh] . k_i [Dh] for the tile's 8 rows k_i (dh apart) -> 8 lanes: each dot product's 8 lanes accumulate over
+// the head dim in order (eight independent chains in registers), then one tree sums them.
+static inline __m256 dot_tile(const float *q, const float *k, int dh) {
+    __m256 p[8];
+    for (int i = 0; i < 8; i++) p[i] = _mm256_setzero_ps();
+    for (int x = 0; x < dh; x += 8) {
+        __m256 qx = _mm256_loadu_ps(q + x);
+        p[0] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + x), p[0]);
+        p[1] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + dh + x), p[1]);
+        p[2] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 2 * dh + x), p[2]);
+        p[3] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 3 * dh + x), p[3]);
+        p[4] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 4 * dh + x), p[4]);
+        p[5] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 5 * dh + x), p[5]);
+        p[6] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 6 * dh + x), p[6]);
+        p[7] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 7 * dh + x), p[7]);
+    }
+    return hsum8(p);
+}
+
+// a [8 k .. 8 k + 63] += sum over the tile's positions i < cnt, in order, of w[i] * v[i][same lanes] (rows of v dh
+// apart): eight independent chains held in registers (axpy_tile1: one).
+static inline void axpy_tile8(float *a, const float *w, const float *v, int dh, int cnt) {
+    __m256 s[8];
+    for (int x = 0; x < 8; x++) s[x] = _mm256_loadu_ps(a + 8 * x);
+    for (int i = 0; i < cnt; i++) {
+        __m256 wi = _mm256_set1_ps(w[i]);
+        const float *vi = v + i * dh;
+        for (int x = 0; x < 8; x++) s[x] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vi + 8 * x), s[x]);
+    }
+    for (int x = 0; x < 8; x++) _mm256_storeu_ps(a + 8 * x, s[x]);
+}
+
+static inline void axpy_tile1(float *a, const float *w, const float *v, int dh, int cnt) {
+    __m256 s0 = _mm256_loadu_ps(a);
+    for (int i = 0; i < cnt; i++) s0 = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), _mm256_loadu_ps(v + i * dh), s0);
+    _mm256_storeu_ps(a, s0);
+}
+
 void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache,
                            const void *v_cache, const int64_t *block_tables, int64_t mb, int bs,
                            const int64_t *rows, const int64_t *blocks, int64_t nblocks, int h, int kvh, int dh,
@@ -129,6 +223,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         float *scores = malloc(sizeof(float) * (size_t)(max_rows * g * cap));
         float *qv = malloc(sizeof(float) * (size_t)(max_rows * g * dh));
         float *acc = malloc(sizeof(float) * (size_t)(max_rows * g * dh));
+        float *kept = malloc(sizeof(float) * (size_t)cap);
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)cap);
         float kv[8 * 512];
         #pragma omp for schedule(static)
@@ -140,60 +235,72 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
             for (int64_t r = 0; r < nr; r++) last_j = d0[r * 5 + 3] > last_j ? d0[r * 5 + 3] : last_j;
             const int64_t *table = block_tables + d0[1] * mb;
             int64_t n = ctx + last_j + 1, npad = (n + 7) / 8 * 8;   // the positions any row of the block attends
-            for (int64_t p = 0; p < n; p++) slots[p] = slot_of(table, p, bs);
+            for (int64_t p = 0, b = 0; p < n; b++) {
+                int64_t base = table[b] * bs;
+                for (int o = 0; o < bs && p < n; o++) slots[p++] = base + o;
+            }
             for (int64_t r = 0; r < nr; r++)
                 for (int e = 0; e < g; e++)
                     load_row(q, d0[r * 5] * q_stride + (int64_t)(grp * g + e) * dh, dh, bf16, qv + (r * g + e) * dh);
             // scores, 8 positions at a time, each K row read once for all rows: every position's q . k is its own
-            // 8 lanes summed by one tree, whatever the chunk it falls in
+            // 8 lanes (fused multiply-adds over the head dim in order) summed by one tree, whatever the chunk
             for (int64_t p0 = 0; p0 < npad; p0 += 8) {
-                for (int i = 0; i < 8; i++) {
-                    if (p0 + i < n) load_row(k_cache, (slots[p0 + i] * kvh + grp) * dh, dh, bf16, kv + i * dh);
-                    else memset(kv + i * dh, 0, sizeof(float) * (size_t)dh);
-                }
-                for (int64_t re = 0; re < nr * g; re++) {
-                    __m256 part[8];
-                    for (int i = 0; i < 8; i++) {
-                        __m256 a = _mm256_setzero_ps();
-                        for (int x = 0; x < dv; x++)
-                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + re * dh + 8 * x),
-                                                _mm256_loadu_ps(kv + i * dh + 8 * x), a);
-                        part[i] = a;
-                    }
-                    _mm256_storeu_ps(scores + re * cap + p0, _mm256_mul_ps(hsum8(part), _mm256_set1_ps(scale)));
-                }
+                load_tile(k_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
+                for (int64_t re = 0; re < nr * g; re++)
+                    _mm256_storeu_ps(scores + re * cap + p0,
+                                     _mm256_mul_ps(dot_tile(qv + re * dh, kv, dh), _mm256_set1_ps(scale)));
             }
-            // softmax of each row and head over the positions it attends, summed one by one in order
+            // softmax of each row and head over the positions it attends; the others weigh 0 below
             for (int64_t r = 0; r < nr; r++) {
-                int64_t j = d0[r * 5 + 3];
+                int64_t j = d0[r * 5 + 3], end = ctx + j + 1;     // a causal row attends [0, end)
                 uint64_t bits = (uint64_t)d0[r * 5 + 4];
+                int causal = bits == ~(uint64_t)0;
                 for (int e = 0; e < g; e++) {
-                    float *sc = scores + (r * g + e) * cap, m = -INFINITY, total = 0.f;
-                    for (int64_t p = 0; p < n; p++)
-                        if (attends(p, ctx, j, bits) && sc[p] > m) m = sc[p];
+                    float *sc = scores + (r * g + e) * cap, m = -INFINITY;
+                    if (causal) {
+                        __m256 mx = _mm256_set1_ps(-INFINITY);
+                        int64_t p = 0;
+                        for (; p + 8 <= end; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + p));
+                        float lanes[8];
+                        _mm256_storeu_ps(lanes, mx);
+                        for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+                        for (; p < end; p++) m = sc[p] > m ? sc[p] : m;
+                    } else {
+                        for (int64_t p = 0; p < end; p++)
+                            if (attends(p, ctx, j, bits) && sc[p] > m) m = sc[p];
+                    }
                     __m256 mv = _mm256_set1_ps(m);
                     for (int64_t p = 0; p < npad; p += 8)
                         _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), mv)));
-                    for (int64_t p = 0; p < n; p++) {
-                        if (attends(p, ctx, j, bits)) total += sc[p];
-                        else sc[p] = 0.f;                      // weighs nothing below
+                    float total;
+                    if (causal) {
+                        total = ordered_sum(sc, end);
+                        for (int64_t p = end; p < npad; p++) sc[p] = 0.f;
+                    } else {                                   // the attended scores side by side, in order
+                        int64_t kn = 0;
+                        for (int64_t p = 0; p < npad; p++) {
+                            if (p < end && attends(p, ctx, j, bits)) kept[kn++] = sc[p];
+                            else sc[p] = 0.f;
+                        }
+                        total = ordered_sum(kept, kn);
                     }
-                    float inv = 1.f / total;
-                    for (int64_t p = 0; p < n; p++) sc[p] *= inv;
+                    __m256 inv = _mm256_set1_ps(1.f / total);
+                    for (int64_t p = 0; p < npad; p += 8)
+                        _mm256_storeu_ps(sc + p, _mm256_mul_ps(_mm256_loadu_ps(sc + p), inv));
                 }
             }
+            // weighted sum of V, 8 positions at a time, each V row read once: every output lane adds its
+            // positions' products in position order (a position a row does not attend adds 0 x v)
             memset(acc, 0, sizeof(float) * (size_t)(nr * g * dh));
-            for (int64_t p = 0; p < n; p++) {                   // each V row read once, added in position order
-                load_row(v_cache, (slots[p] * kvh + grp) * dh, dh, bf16, kv);
-                for (int64_t r = 0; r < nr; r++) {
-                    if (!attends(p, ctx, d0[r * 5 + 3], (uint64_t)d0[r * 5 + 4])) continue;
-                    for (int e = 0; e < g; e++) {
-                        __m256 wgt = _mm256_set1_ps(scores[(r * g + e) * cap + p]);
-                        float *a = acc + (r * g + e) * dh;
-                        for (int x = 0; x < dv; x++)
-                            _mm256_storeu_ps(a + 8 * x, _mm256_fmadd_ps(wgt, _mm256_loadu_ps(kv + 8 * x),
-                                                                        _mm256_loadu_ps(a + 8 * x)));
-                    }
+            for (int64_t p0 = 0; p0 < npad; p0 += 8) {
+                load_tile(v_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
+                int cnt = (int)(n - p0 < 8 ? n - p0 : 8);
+                for (int64_t re = 0; re < nr * g; re++) {
+                    const float *wr = scores + re * cap + p0;
+                    float *a = acc + re * dh;
+                    int x = 0;
+                    for (; x + 8 <= dv; x += 8) axpy_tile8(a + 8 * x, wr, kv + 8 * x, dh, cnt);
+                    for (; x < dv; x++) axpy_tile1(a + 8 * x, wr, kv + 8 * x, dh, cnt);
                 }
             }
             for (int64_t r = 0; r < nr; r++)
@@ -204,6 +311,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         free(scores);
         free(qv);
         free(acc);
+        free(kept);
         free(slots);
     }
 }
