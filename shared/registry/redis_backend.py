@@ -106,16 +106,18 @@ class RedisRegistry(PrefixRegistry):
             raise RegistryUnavailable(f"prefix registry at {self._where} is unreachable (retrying later)")
         try:
             yield
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except (redis.RedisError, ValueError) as e:
+            # Not only lost connections: an error reply (WRONGTYPE, READONLY, NOPERM, OOM) or a value this code cannot
+            # read means the index cannot be used now either, and routing by load is the answer to both.
+            what = "unreachable" if isinstance(e, (redis.ConnectionError, redis.TimeoutError)) else "failing"
             with self._state_lock:
                 self._down_until = time.monotonic() + self._retry_after_s
                 first = not self._down
                 self._down = True
             if first:
-                log.warning(
-                    "prefix registry at %s is unreachable (%s); routing by load until it returns", self._where, e
-                )
-            raise RegistryUnavailable(f"prefix registry at {self._where} is unreachable: {e}") from e
+                log.warning("prefix registry at %s is %s (%s: %s); routing by load until it recovers",
+                            self._where, what, type(e).__name__, e)
+            raise RegistryUnavailable(f"prefix registry at {self._where} is {what}: {e}") from e
         if self._down:
             with self._state_lock:
                 self._down = False
@@ -184,14 +186,25 @@ class RedisRegistry(PrefixRegistry):
     def _candidates(self) -> list[ReplicaId]:
         pipe = self._redis.pipeline(transaction=False)
         pipe.smembers(self._replicas_key())
-        return sorted(ReplicaId(m.decode()) for m in self._execute(pipe)[0])
+        out = []
+        for m in self._execute(pipe)[0]:
+            try:
+                out.append(ReplicaId(m.decode()))
+            except UnicodeDecodeError:                  # not written by a target: never a replica to route to
+                log.debug("prefix registry: ignoring a replica entry that is not UTF-8: %r", m[:64])
+        return sorted(out)
 
     def _prune(self, dead: list[ReplicaId]) -> None:
+        """Drops replicas whose lease expired. Housekeeping only: a reader that may not write (a read-only user,
+        a replica of Redis) leaves them to the targets' own registration and still routes."""
         if dead:
             pipe = self._redis.pipeline(transaction=False)
             for replica in dead:
                 pipe.eval(_PRUNE, 2, self._replicas_key(), self._lease_key(replica), replica)
-            self._execute(pipe)
+            try:
+                self._execute(pipe)
+            except redis.ResponseError as e:
+                log.debug("prefix registry: cannot prune expired replicas (%s)", e)
 
     def loads(self) -> dict[ReplicaId, ReplicaLoad]:
         with self._guard():

@@ -168,3 +168,65 @@ def router_lookup(reg: RedisRegistry, h: list[BlockHash]) -> dict[ReplicaId, int
         return reg.lookup(h)
     except RegistryUnavailable:
         return None
+
+
+def test_error_replies_and_foreign_entries_route_by_load(
+    redis_url: str, registries: Callable[..., RedisRegistry], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Answers that are not a lost connection: a member that is not UTF-8 is skipped; a key of the wrong type
+    (WRONGTYPE) makes the index unusable, so routing falls back to load, logged once, and recovers after."""
+    import redis
+
+    raw = redis.Redis.from_url(redis_url)
+    target, router = registries(), registries(retry_after_s=0.05)
+    h = chain(8)
+    pub = BlockPublisher(target, B, flush_interval_s=0.01)
+    pub.stored(h[:6])
+    pub.start()
+    assert pub.flush(5.0)
+    raw.sadd("upesi:reg:replicas", b"\xff\xfe not a replica")
+    assert router.lookup(h) == {B: 6}
+    loads = {A: IDLE, B: IDLE}                              # equal loads: the cached prefix decides (B), or order (A)
+    assert choose_replica(h, [A, B], loads, 16, registry=router) == B
+
+    caplog.set_level(logging.WARNING, logger="shared.registry.redis_backend")
+    raw.rename("upesi:reg:replicas", "saved")
+    raw.set("upesi:reg:replicas", "a string, not a set")
+    with pytest.raises(RegistryUnavailable, match="failing"):
+        router.lookup(h)
+    time.sleep(0.06)
+    for _ in range(3):
+        assert choose_replica(h, [A, B], loads, 16, registry=router) == A      # by load, no exception
+        time.sleep(0.06)
+    assert sum("WRONGTYPE" in r.getMessage() for r in caplog.records) == 1
+    raw.delete("upesi:reg:replicas")
+    raw.rename("saved", "upesi:reg:replicas")
+    time.sleep(0.06)
+    assert router.lookup(h) == {B: 6}
+    pub.stop()
+    raw.close()
+
+
+def test_a_read_only_user_routes(redis_url: str, registries: Callable[..., RedisRegistry]) -> None:
+    """A router whose Redis user may only read still routes: pruning a replica whose lease expired is left to the
+    targets' side (NOPERM is not an outage)."""
+    import redis
+
+    raw = redis.Redis.from_url(redis_url)
+    raw.execute_command("ACL", "SETUSER", "reader", "on", ">reader-pw", "~*", "+@read", "+@connection")
+    target = registries(lease_s=0.5)
+    pub = BlockPublisher(target, B, flush_interval_s=0.01)
+    h = chain(4)
+    pub.stored(h)
+    pub.start()
+    assert pub.flush(5.0)
+    raw.sadd("upesi:reg:replicas", str(A))                 # listed, but its lease is gone: a reader would prune it
+    url = redis_url.replace("redis://", "redis://reader:reader-pw@")
+    reader = RedisRegistry(url)
+    try:
+        assert reader.lookup(h) == {B: 4}
+        assert raw.sismember("upesi:reg:replicas", str(A))   # the reader could not prune it, and did not fail
+    finally:
+        reader.close()
+        pub.stop()
+        raw.close()
