@@ -19,6 +19,11 @@ health and reflection services and HTTP /health and /metrics stay open (probes a
 Each limit is the strictest of the router's flags, the file's defaults and the key's own field; a key given with
 --api-key (better: UPESI_API_KEY, which `ps` does not show) has the router's flags only. Keys are compared as SHA-256
 digests with hmac.compare_digest, against every configured key, so the time taken tells nothing about them.
+
+Each key has its own partition of the prefix cache: its requests' blocks are hashed with HMAC-SHA256(secret, the
+key's digest) before the client's `cache_salt`. The secret is `--cache-secret` (UPESI_CACHE_SECRET; give every
+router of a deployment the same one), else derived from all configured keys' digests, which is stable across
+restarts and equal on routers that share the keys; anonymous callers (no keys configured) share one partition.
 """
 from __future__ import annotations
 
@@ -68,12 +73,16 @@ def _digest(key: str) -> bytes:
 class KeyTable:
     """The configured keys and the caller each one stands for."""
 
-    def __init__(self, keys: list[tuple[str, Caller]], base: Limits) -> None:
+    def __init__(self, keys: list[tuple[str, Caller]], base: Limits, cache_secret: str | None = None) -> None:
         digests = [_digest(k) for k, _ in keys]
         if len(set(digests)) != len(digests):
             raise ValueError("an API key is listed twice")
         self._keys = [(d, c) for d, (_, c) in zip(digests, keys)]
         self.anonymous = None if keys else Caller("", base)
+        secret = (cache_secret.encode() if cache_secret else
+                  hashlib.sha256(b"upesi cache partitions\x00" + b"".join(sorted(digests))).digest())
+        for digest, caller in self._keys:
+            caller.partition = hmac.new(secret, digest, hashlib.sha256).hexdigest()
 
     @classmethod
     def from_config(cls, cfg: RouterConfig) -> KeyTable:
@@ -84,7 +93,7 @@ class KeyTable:
             keys.append((cfg.api_key, Caller("api-key", base)))
         if cfg.api_keys_file and not keys:
             raise ValueError(f"{cfg.api_keys_file} lists no keys; remove the option to serve without keys")
-        return cls(keys, base)
+        return cls(keys, base, cfg.cache_secret)
 
     @property
     def required(self) -> bool:

@@ -34,6 +34,9 @@ class RouterConfig:
     tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
     api_key: str | None = option(None, "require this API key (authorization: Bearer KEY) on gRPC and HTTP")
     api_keys_file: str | None = option(None, "YAML file of API keys with per-key limits (see services/router/auth.py)")
+    cache_secret: str | None = option(None, "with API keys: the secret each key's prefix-cache partition is derived "
+                                            "from; give every router of a deployment the same one (default: "
+                                            "derived from the configured keys)")
     max_prompt_tokens: int = option(0, "longest prompt in tokens for every caller (0 = the context window)")
     max_output_tokens: int = option(0, "largest max_tokens for every caller; unset max_tokens is capped to it "
                                        "(0 = the context window)")

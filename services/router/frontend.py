@@ -145,6 +145,7 @@ class Frontend:
             raise Draining("the router is shutting down; retry on another replica")
         caller = caller or self.keys.authenticate(None)
         ids, params = self.prepare(inp, caller)
+        params.cache_salt = caller.cache_salt(inp.cache_salt)
         if self.in_flight >= self.cfg.max_concurrent_requests:
             raise Overloaded(f"{self.in_flight} requests in flight (limit {self.cfg.max_concurrent_requests}); "
                              "retry later")
@@ -155,7 +156,7 @@ class Frontend:
 
     async def _stream(self, ids: list[int], params: SamplingParams, inp: GenerationInput,
                       timeout: float | None) -> AsyncIterator[StreamChunk]:
-        target = await self.choose_target(ids, inp.cache_salt)
+        target = await self.choose_target(ids, params.cache_salt)
         self.in_flight += 1
         self.load[target.address] += 1
         metrics.IN_FLIGHT.inc()

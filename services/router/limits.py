@@ -55,6 +55,13 @@ class Caller:
     def __init__(self, name: str, limits: Limits) -> None:
         self.name, self.limits = name, limits
         self.in_flight = 0                     # this caller's requests now being served (one event loop: no lock)
+        self.partition = ""                    # this caller's share of the prefix cache ("" = the anonymous one)
+
+    def cache_salt(self, client_salt: str) -> str:
+        """The salt a request's KV blocks are hashed with: the caller's partition, then the client's own salt.
+        Requests of different API keys never share cached blocks, so `cached_tokens` tells nobody what another
+        tenant sent."""
+        return f"{self.partition}\x00{client_salt}" if self.partition else client_salt
 
     def __repr__(self) -> str:
         return f"Caller({self.name!r}, {self.limits})"

@@ -158,3 +158,20 @@ def test_concurrency_limit_is_per_key(stack, stub):
             is grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline:
         time.sleep(0.2)
     assert code is grpc.StatusCode.OK
+
+
+def test_each_key_has_its_own_prefix_cache(stub):
+    """The same prompt (about 40 tokens: two full blocks) with the same client salt: a key's repeat is served from
+    its cache, another key's first request is not, so cached_tokens says nothing about what others sent."""
+    prompt = ("Partition check seven: list the planets of the solar system in order from the sun, one per line, "
+              "with each planet's number of known moons and one fact about it.")
+    req = pb.GenerateRequest(prompt=prompt, max_tokens=1, temperature=0, cache_salt="shared-salt")
+
+    def cached(key: str) -> int:
+        return stub.Generate(req, metadata=bearer(key), timeout=120).usage.cached_tokens
+
+    first = stub.Generate(req, metadata=bearer(OTHER), timeout=120).usage
+    assert 32 <= first.prompt_tokens <= 48 and first.cached_tokens == 0
+    assert cached(OTHER) >= 32                               # the key's own repeat hits
+    assert cached(SMALL) == 0                                # another key's first request does not
+    assert cached(SMALL) >= 32
