@@ -116,6 +116,11 @@ class Frontend:
         for m in inp.messages:
             if not isinstance(m.get("content"), str):
                 raise InvalidRequest("every message needs a string content")
+        chars = len(inp.prompt) + sum(len(m["content"]) for m in inp.messages)
+        most = self.cfg.max_prompt_chars or 32 * self.info.max_model_len
+        if chars > most:
+            raise InvalidRequest(f"the prompt has {chars} characters; this server accepts at most {most} "
+                                 f"(its context window is {self.info.max_model_len} tokens)")
         ids = self.tok.apply_chat_template(inp.messages) if inp.messages else self.tok.encode(inp.prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenisation")
@@ -144,11 +149,12 @@ class Frontend:
         if self.draining:
             raise Draining("the router is shutting down; retry on another replica")
         caller = caller or self.keys.authenticate(None)
-        ids, params = self.prepare(inp, caller)
-        params.cache_salt = caller.cache_salt(inp.cache_salt)
         if self.in_flight >= self.cfg.max_concurrent_requests:
             raise Overloaded(f"{self.in_flight} requests in flight (limit {self.cfg.max_concurrent_requests}); "
                              "retry later")
+        # Tokenising a long prompt takes milliseconds: off the event loop, which serves every other stream.
+        ids, params = await asyncio.to_thread(self.prepare, inp, caller)
+        params.cache_salt = caller.cache_salt(inp.cache_salt)
         with caller.admitted():
             async with contextlib.aclosing(self._stream(ids, params, inp, timeout)) as chunks:   # closing it
                 async for chunk in chunks:                                         # cancels the target's work

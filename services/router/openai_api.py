@@ -61,6 +61,25 @@ class _Disconnected(Exception):
     """The client hung up before the answer was ready."""
 
 
+class _TooLarge(Exception):
+    """The request body is larger than the router accepts (HTTP 413)."""
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused as soon as it is known to exceed `limit` bytes: by its Content-Length before reading,
+    else while it streams in, so a huge body is never held in memory."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge(f"the request body has {int(declared)} bytes; this server accepts at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge(f"the request body is larger than {limit} bytes, the most this server accepts")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
@@ -324,8 +343,9 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
 
     async def serve(request: Request, kind: type[_Request], method: str) -> Response:
         try:
+            body = await _read_body(request, frontend.cfg.max_request_bytes)
             caller = frontend.keys.authenticate(request.headers.get("authorization"))
-            req = parse(kind, await request.body())
+            req = parse(kind, body)
             if req.model is not None and req.model != frontend.info.model:
                 raise unknown(req.model)
             inp = generation_input(req, frontend.info.vocab_size)
@@ -343,6 +363,12 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
         except _Disconnected:
             metrics.REQUESTS.labels(method, "CANCELLED").inc()
             return Response(status_code=499)                # nobody reads it; nginx's "client closed request"
+        except _TooLarge as e:
+            metrics.REQUESTS.labels(method, Code.RESOURCE_EXHAUSTED.name).inc()
+            log.info("HTTP API -> 413: %s", e)
+            return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error", "param": None,
+                                           "code": "request_too_large"}}, status_code=413,
+                                headers={"Connection": "close"})
         except Exception as e:
             code, response = error_response(e)
             metrics.REQUESTS.labels(method, code.name).inc()

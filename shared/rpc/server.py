@@ -26,22 +26,27 @@ class Service:
     add_to_server: Callable[[object, grpc.aio.Server], None]
 
 
-def server_options() -> list[tuple[str, int]]:
-    """Message sizes, and clients' keepalive pings every 10 s or more are welcome (channel.keepalive_options)."""
-    return message_options() + [("grpc.keepalive_permit_without_calls", 1),
-                                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
+def server_options(max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """Message sizes (a public port receives at most `max_receive_bytes`: larger messages are refused with
+    RESOURCE_EXHAUSTED before they are parsed), and clients' keepalive pings every 10 s or more are welcome
+    (channel.keepalive_options)."""
+    sizes = [(k, max_receive_bytes if max_receive_bytes and k.endswith("receive_message_length") else v)
+             for k, v in message_options()]
+    return sizes + [("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
 
 
 async def run_server(address: str, services: list[Service], *, grace_s: float = 30.0,
                      tls: ServerTLS | None = None,
                      on_start: Callable[[], Awaitable[None]] | None = None,
                      on_drain: Callable[[], None] | None = None,
-                     on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+                     on_stop: Callable[[], Awaitable[None]] | None = None,
+                     max_receive_bytes: int | None = None) -> None:
     """Serves until SIGTERM or SIGINT, then reports NOT_SERVING, lets in-flight calls finish and stops.
 
     With `tls` the port serves TLS (mTLS when it names a client CA). Each call gets a SERVER span when tracing is
     on (telemetry.setup_tracing, called by the service before this)."""
-    server = grpc.aio.server(options=server_options(), interceptors=telemetry.server_interceptors() or None)
+    server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=telemetry.server_interceptors() or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for s in services:

@@ -175,3 +175,39 @@ def test_each_key_has_its_own_prefix_cache(stub):
     assert cached(OTHER) >= 32                               # the key's own repeat hits
     assert cached(SMALL) == 0                                # another key's first request does not
     assert cached(SMALL) >= 32
+
+
+def test_size_limits_refuse_before_reading_or_tokenising(stack, stub):
+    """A body over --max-request-bytes (4 MiB) gets 413 without a key check or a parse, a gRPC message over it
+    RESOURCE_EXHAUSTED; a prompt over 32 characters per context token is refused before tokenising; the health
+    page answers meanwhile."""
+    big = json.dumps({"prompt": "x" * (5 * 2**20), "max_tokens": 1}).encode()
+    t0 = time.monotonic()
+    status, body = http_raw(stack, "/v1/completions", big)
+    assert status == 413 and body["error"]["code"] == "request_too_large" and "4194304" in body["error"]["message"]
+    assert time.monotonic() - t0 < 30
+    assert http(stack, "/health")[0] == 200
+    code, details = grpc_code(stub.Generate, pb.GenerateRequest(prompt="y" * (5 * 2**20), max_tokens=1), OTHER)
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    window = 8192                                            # the default model's context window
+    long = "z " * (16 * window + 1)                          # within 4 MiB, over 32 characters per token
+    code, details = grpc_code(stub.Generate, pb.GenerateRequest(prompt=long, max_tokens=1), OTHER)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and f"at most {32 * window}" in details, details
+    status, body = http(stack, "/v1/completions", {"prompt": long, "max_tokens": 1}, OTHER)
+    assert status == 400 and "characters" in body["error"]["message"], body
+
+
+def http_raw(stack, path: str, data: bytes) -> tuple[int, dict]:
+    """POSTs the headers and the first 64 KiB of data, then reads the answer: a server that refuses the body by
+    its Content-Length answers without waiting for the rest."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(data)))
+        conn.endheaders(data[:65536])
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
