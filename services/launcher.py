@@ -232,16 +232,16 @@ def main(args: argparse.Namespace) -> None:
         env = _expert_env(cfg)
         # the shards share this machine's cores with the target
         shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
-        # stateless services the launcher restarts when they die: index in procs -> (name, address, command)
-        shards: dict[int, tuple[str, str, list[str]]] = {}
+        # services the launcher restarts when they die: index in procs -> (name, address, command)
+        restartable: dict[int, tuple[str, str, list[str]]] = {}
         for i, address in enumerate(cfg.expert_addresses()):
-            shards[len(procs)] = (f"expert shard {i}", address, ["experts", "--address", address, "--shard-index", str(i),
+            restartable[len(procs)] = (f"expert shard {i}", address, ["experts", "--address", address, "--shard-index", str(i),
                                                "--num-shards", str(cfg.expert_shards), "--device", cfg.device,
                                                "--dtype", cfg.dtype,
                                                "--num-threads", shard_threads, *model, *placement, *quant,
                                                *_tls_args(cfg, client=False), "--metrics-port",
                                                str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)])
-            procs.append(_child(shards[len(procs)][2], env))
+            procs.append(_child(restartable[len(procs)][2], env))
             print(f"upesi: expert shard {i} on {address} (pid {procs[-1].pid})", flush=True)
         experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
         if experts and cfg.rebalance_interval_s:
@@ -256,20 +256,22 @@ def main(args: argparse.Namespace) -> None:
         if cfg.speculative:
             spec += ["--speculative", cfg.speculative, *confidence]
         if cfg.draft:
-            shards[len(procs)] = ("draft service", cfg.draft_address, [
+            restartable[len(procs)] = ("draft service", cfg.draft_address, [
                 "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
                 "--dtype", cfg.dtype, *confidence,
                 "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model,
                 "--num-threads", str(cfg.draft_num_threads)])
-            procs.append(_child(shards[len(procs)][2], env))
+            procs.append(_child(restartable[len(procs)][2], env))
         for i, address in enumerate(cfg.target_addresses()):
             metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0
-            procs.append(_child(["target", "--address", address, "--replica-id", address,
-                                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
-                                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
-                                 "--dtype", cfg.dtype,
-                                 *model, *threads, *registry, *experts, *spec, *quant, *_tls_args(cfg, client=True)],
-                                env))
+            # a target is restarted too: it loses its running requests and its cache, the router routes around
+            # it meanwhile (services/router/frontend.py) and takes it back once it answers
+            restartable[len(procs)] = (f"target {i}", address, [
+                "target", "--address", address, "--replica-id", address,
+                "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
+                "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
+                *model, *threads, *registry, *experts, *spec, *quant, *_tls_args(cfg, client=True)])
+            procs.append(_child(restartable[len(procs)][2], env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
                              *(["--draft", cfg.draft_address, "--speculative-max-requests",
@@ -279,16 +281,16 @@ def main(args: argparse.Namespace) -> None:
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "
               "(Ctrl-C to stop)", flush=True)
         while True:
-            for i, (shard, address, command) in shards.items():   # stateless: restart it, targets reconnect
+            for i, (shard, address, command) in restartable.items():   # restart it; its callers reconnect
                 if procs[i].poll() is not None:
                     print(f"upesi: {shard} exited (code {procs[i].returncode}); restarting it",
                           file=sys.stderr, flush=True)
                     procs[i] = _child(command, env)
                     print(f"upesi: {shard} on {address} (pid {procs[i].pid})", flush=True)
-            if any(p.poll() is not None for i, p in enumerate(procs) if i not in shards):
+            if any(p.poll() is not None for i, p in enumerate(procs) if i not in restartable):
                 break
             time.sleep(0.5)
-        dead = [p for i, p in enumerate(procs) if i not in shards and p.poll() is not None]
+        dead = [p for i, p in enumerate(procs) if i not in restartable and p.poll() is not None]
         print(f"upesi: a service exited (code {dead[0].returncode}); stopping the stack", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:

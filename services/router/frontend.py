@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +24,8 @@ from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad, choose_
 from shared.rpc.errors import Draining, Overloaded, PeerUnavailable
 from shared.text_output import ChoiceText
 from shared.tokenizer import Tokenizer
+
+log = logging.getLogger("upesi.router")
 
 
 @dataclass(slots=True)
@@ -73,13 +76,16 @@ class Frontend:
         self.draining = False                                # set on SIGTERM: new requests are refused
         self.load = {t.address: 0 for t in targets}          # requests this router has open on each replica
 
-    async def choose_target(self, ids: list[int], salt: str) -> TargetClient:
-        """The replica with the longest cached prefix of this prompt, weighed against its load."""
-        if len(self.targets) == 1:
-            return self.targets[0]
+    async def choose_target(self, ids: list[int], salt: str, tried: list[TargetClient] = ()) -> TargetClient:
+        """The replica with the longest cached prefix of this prompt, weighed against its load, among those not
+        tried yet for this request and not marked down (all of the untried ones when every one is down)."""
+        untried = [t for t in self.targets if t not in tried]
+        candidates = [t for t in untried if t.up] or untried
+        if len(candidates) == 1:
+            return candidates[0]
         chain = hash_chain(ids, self.info.block_size, cache_extra(self.info.model, salt))
-        loads = {a: ReplicaLoad(running=n) for a, n in self.load.items()}
-        replicas = [ReplicaId(t.address) for t in self.targets]
+        loads = {t.address: ReplicaLoad(running=self.load[t.address]) for t in candidates}
+        replicas = [ReplicaId(t.address) for t in candidates]
         # Redis calls block: keep them off the event loop.
         chosen = await asyncio.to_thread(choose_replica, chain, replicas, loads, self.info.block_size,
                                          registry=self.registry)
@@ -162,11 +168,34 @@ class Frontend:
 
     async def _stream(self, ids: list[int], params: SamplingParams, inp: GenerationInput,
                       timeout: float | None) -> AsyncIterator[StreamChunk]:
-        target = await self.choose_target(ids, params.cache_salt)
+        """Runs the request on a replica; one that is unavailable before anything reached the client (killed,
+        restarting, draining) is marked down and the next is tried, so a lost replica costs only the requests
+        that were running on it."""
         self.in_flight += 1
-        self.load[target.address] += 1
         metrics.IN_FLIGHT.inc()
         metrics.PROMPT_TOKENS.inc(len(ids))
+        tried: list[TargetClient] = []
+        try:
+            while True:
+                target = await self.choose_target(ids, params.cache_salt, tried)
+                tried.append(target)
+                answered = False
+                try:
+                    async for chunk in self._on_target(target, ids, params, inp, timeout):
+                        answered = True
+                        yield chunk
+                    return
+                except PeerUnavailable as e:
+                    if answered or len(tried) == len(self.targets):
+                        raise
+                    log.warning("%s; trying another replica", e)
+        finally:
+            self.in_flight -= 1
+            metrics.IN_FLIGHT.dec()
+
+    async def _on_target(self, target: TargetClient, ids: list[int], params: SamplingParams,
+                         inp: GenerationInput, timeout: float | None) -> AsyncIterator[StreamChunk]:
+        self.load[target.address] += 1
         request_id = uuid.uuid4().hex
         choices = [ChoiceText(self.tok, inp.stop, ids) for _ in range(params.n)]
         t0 = last = time.perf_counter()
@@ -203,6 +232,4 @@ class Frontend:
                         return
                 raise PeerUnavailable(f"the target {target.address} ended the stream before the answer was done")
         finally:
-            self.in_flight -= 1
             self.load[target.address] -= 1
-            metrics.IN_FLIGHT.dec()

@@ -32,10 +32,15 @@ class StepOutput:
 
 
 class TargetClient:
-    def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str, tls: ClientTLS | None = None, retry_after_s: float = 5.0) -> None:
+        self.address, self.retry_after_s = address, retry_after_s
         self.channel = aio_channel(address, tls)        # tls None: the router's own settings (set_client_tls)
         self.stub = target_pb2_grpc.TargetStub(self.channel)
+        self.down_until = 0.0                 # after UNAVAILABLE, new requests go elsewhere for retry_after_s
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
 
     async def wait_info(self, timeout_s: float) -> TargetInfo:
         """Waits for the target to come up (it may still be loading its model) and reads its facts."""
@@ -56,8 +61,15 @@ class TargetClient:
         req = target_request(request_id, prompt, params)
         req.attach = attach
         call = self.stub.Generate(req, timeout=timeout)      # the deadline travels to the target with the call
-        async for out in read_steps(call, params.n):
-            yield out
+        try:
+            async for out in read_steps(call, params.n):
+                yield out
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:        # gone, restarting or draining: not this request's
+                raise                                          # fault; the router may try another replica
+            self.down_until = time.monotonic() + self.retry_after_s
+            raise PeerUnavailable(f"target {self.address} is unavailable: {e.details() or 'connection lost'}"
+                                  ) from None
 
     async def abort(self, request_id: str, indices: list[int]) -> None:
         try:

@@ -114,3 +114,46 @@ def test_metrics_and_no_leaked_blocks(two):
     hits = [float(line.split()[-1]) for text in metrics for line in text.splitlines()
             if line.startswith("upesi_prefix_cache_hits_total")]
     assert sum(hits) >= 64 * 3
+
+
+def _target_pids(stack: Stack) -> dict[int, int]:
+    """port -> pid of the stack's target processes (children of `upesi serve`, from /proc)."""
+    import psutil
+    out = {}
+    for child in psutil.Process(stack.proc.pid).children():
+        cmd = child.cmdline()
+        if "target" in cmd and "--address" in cmd:
+            out[int(cmd[cmd.index("--address") + 1].rsplit(":", 1)[1])] = child.pid
+    return out
+
+
+def test_a_killed_replica_is_routed_around_and_restarted(two):
+    """kill -9 of one target: every following request is served (by the other replica, the dead one marked down
+    after its first refusal); `upesi serve` restarts it, and once it is back the router uses it again, shown by
+    killing the other one next."""
+    import os
+    import signal
+
+    with grpc.insecure_channel(two.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        for victim_port in target_ports(two):
+            pids = _target_pids(two)
+            os.kill(pids[victim_port], signal.SIGKILL)
+            for i in range(8):                              # while it is down or restarting
+                r = ask(stub, SYSTEM_A, f"Name {i + 2} books.", max_tokens=3)
+                assert r.usage.completion_tokens == 3
+            deadline = time.monotonic() + 240               # the launcher restarts it; it loads and serves again
+            while time.monotonic() < deadline:
+                back = _target_pids(two).get(victim_port)
+                if back not in (None, pids[victim_port]):
+                    try:
+                        with grpc.insecure_channel(f"127.0.0.1:{victim_port}") as tch:
+                            target_pb2_grpc.TargetStub(tch).Load(target_pb2.LoadRequest(), timeout=2)
+                        break
+                    except grpc.RpcError:
+                        pass
+                time.sleep(0.5)
+            else:
+                pytest.fail(f"the target on port {victim_port} did not come back:\n{two.log.read_text()[-2000:]}")
+            time.sleep(5.5)                                  # past the router's hold-off for the replica
+        assert two.proc.poll() is None and "restarting it" in two.log.read_text()
