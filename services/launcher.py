@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
+from shared.rpc import internal_token
 from shared.engine.config import (DTYPE_HELP, check_draft_confidence, check_dtype, check_speculative_max_seqs,
                                   check_tree_shape, check_wide_threads)
 
@@ -210,6 +212,9 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 35.0) -> None:
 
 def main(args: argparse.Namespace) -> None:
     cfg = config_from_args(ServeConfig, args)
+    # the services of this stack serve one another only: one token for them all, handed down in the environment
+    # (never on a command line, where `ps` shows it); a value set beforehand is kept
+    os.environ.setdefault(internal_token.ENV, secrets.token_hex(32))
     model = ["--model", cfg.model] if cfg.model else []
     threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
     threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []

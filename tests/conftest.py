@@ -103,6 +103,12 @@ def engine():
     return LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.25))
 
 
+# The internal token of the stacks tests start (`upesi serve` keeps one it is given), for tests that call internal
+# services directly or add a service to a running stack; `INTERNAL` is the metadata such calls carry.
+INTERNAL_TOKEN = "upesi-tests-internal-token"
+INTERNAL = [("x-upesi-internal-token", INTERNAL_TOKEN)]
+
+
 class Stack:
     """`upesi serve` on free ports, as a user runs it."""
 
@@ -113,7 +119,8 @@ class Stack:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--address", self.address,
                "--http-port", str(self.http_port), "--target-address", f"127.0.0.1:{free_port()}",
                "--target-metrics-port", str(self.metrics_port), "--kv-cache-gb", "0.5", *(extra or [])]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     env={"UPESI_INTERNAL_TOKEN": INTERNAL_TOKEN, **os.environ})
 
     def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s

@@ -63,7 +63,8 @@ async def serve(cfg: RouterConfig) -> None:
         frontend.draining = True                     # HTTP keeps serving open streams but refuses new requests
 
     await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_start=on_start, on_drain=on_drain,
-                     on_stop=on_stop, max_receive_bytes=cfg.max_request_bytes)
+                     on_stop=on_stop, max_receive_bytes=cfg.max_request_bytes,
+                     internal=False)
 
 
 def main(args: argparse.Namespace) -> None:

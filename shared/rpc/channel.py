@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from shared import telemetry
+from shared.rpc import internal_token
 
 MAX_MESSAGE_BYTES = 256 * 2**20
 
@@ -103,9 +104,10 @@ def server_tls_from(cfg) -> ServerTLS:
 
 def aio_channel(address: str, tls: ClientTLS | None = None, options: Options = (),
                 trace: bool = True) -> grpc.aio.Channel:
-    """An asyncio channel; `trace` adds the client tracing interceptors (when tracing is on)."""
+    """An asyncio channel; `trace` adds the client tracing interceptors (when tracing is on). Its calls carry the
+    deployment's internal token when this process has one (shared.rpc.internal_token)."""
     opts = _channel_options(options)
-    interceptors = telemetry.aio_client_interceptors() if trace else []
+    interceptors = internal_token.aio_client_interceptors() + (telemetry.aio_client_interceptors() if trace else [])
     creds = (tls or _client_tls).credentials()
     if creds is None:
         return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors or None)
@@ -114,11 +116,13 @@ def aio_channel(address: str, tls: ClientTLS | None = None, options: Options = (
 
 def sync_channel(address: str, tls: ClientTLS | None = None, options: Options = (), trace: bool = True
                  ) -> grpc.Channel:
-    """A blocking channel (the engine thread's calls); `trace` adds the client tracing interceptor."""
+    """A blocking channel (the engine thread's calls); `trace` adds the client tracing interceptor; the internal
+    token as for aio_channel."""
     opts = _channel_options(options)
     creds = (tls or _client_tls).credentials()
     channel = (grpc.insecure_channel(address, options=opts) if creds is None
                else grpc.secure_channel(address, creds, options=opts))
+    channel = internal_token.sync_channel(channel)
     return telemetry.traced_sync_channel(channel) if trace else channel
 
 

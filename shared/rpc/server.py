@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared import telemetry
+from shared.rpc import internal_token
 from shared.rpc.channel import MAX_MESSAGE_BYTES, ServerTLS, message_options
 
 log = logging.getLogger("upesi.server")
@@ -36,17 +37,27 @@ def server_options(max_receive_bytes: int | None = None) -> list[tuple[str, int]
                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
 
 
+def _loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 async def run_server(address: str, services: list[Service], *, grace_s: float = 30.0,
                      tls: ServerTLS | None = None,
                      on_start: Callable[[], Awaitable[None]] | None = None,
                      on_drain: Callable[[], None] | None = None,
                      on_stop: Callable[[], Awaitable[None]] | None = None,
-                     max_receive_bytes: int | None = None) -> None:
+                     max_receive_bytes: int | None = None, internal: bool = True) -> None:
     """Serves until SIGTERM or SIGINT, then reports NOT_SERVING, lets in-flight calls finish and stops.
 
     With `tls` the port serves TLS (mTLS when it names a client CA). Each call gets a SERVER span when tracing is
-    on (telemetry.setup_tracing, called by the service before this)."""
-    server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=telemetry.server_interceptors() or None)
+    on (telemetry.setup_tracing, called by the service before this). An `internal` service (every one but the
+    router) refuses callers without the deployment's token when it has one (shared.rpc.internal_token)."""
+    interceptors = (internal_token.server_interceptors() if internal else []) + telemetry.server_interceptors()
+    if internal and not internal_token.token() and not _loopback(address):
+        log.warning("%s is reachable beyond this host and no %s is set: any caller that reaches it is served",
+                    address, internal_token.ENV)
+    server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for s in services:

@@ -32,6 +32,7 @@ keys:
     key: {OTHER}
 """
 QUESTION = [pb.ChatMessage(role="user", content="Name a colour.")]
+INTERNAL = "internal-token-for-this-test-0451"
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def stack(tmp_path_factory):
     (tmp / "keys.yaml").write_text(KEYS)
     with pytest.MonkeyPatch.context() as mp:          # `upesi serve` hands its environment to the router
         mp.setenv("UPESI_API_KEYS_FILE", str(tmp / "keys.yaml"))
+        mp.setenv("UPESI_INTERNAL_TOKEN", INTERNAL)       # known here: `upesi serve` keeps a token set beforehand
         s = Stack(tmp)
     try:
         s.wait_ready()
@@ -211,3 +213,29 @@ def http_raw(stack, path: str, data: bytes) -> tuple[int, dict]:
         return r.status, json.loads(r.read())
     finally:
         conn.close()
+
+
+def test_the_target_serves_only_the_deployment(stack):
+    """The target's port answers Generate and Abort only with the deployment's internal token (the router has it);
+    Info, Load and health stay open; a wrong token is refused like none."""
+    from upesi.v1 import target_pb2, target_pb2_grpc
+    port = next(int(line.split(" on 127.0.0.1:")[1]) for line in stack.log.read_text().splitlines()
+                if "serving upesi.v1.Target on" in line)
+    req = target_pb2.TargetGenerateRequest(request_id="outsider", prompt_token_ids=[1, 2, 3],
+                                           sampling=target_pb2.SamplingParams(max_tokens=2, top_p=1.0,
+                                                                              ignore_eos=True))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = target_pb2_grpc.TargetStub(ch)
+        for metadata in (None, [("x-upesi-internal-token", "a-guess")]):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, metadata=metadata, timeout=60))
+            assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED, e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Abort(target_pb2.AbortRequest(request_id="x"), metadata=metadata, timeout=60)
+            assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Load(target_pb2.LoadRequest(), timeout=60).kv_blocks_total > 0
+        assert stub.Info(target_pb2.InfoRequest(), timeout=60).max_model_len > 0
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=60)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        out = list(stub.Generate(req, metadata=[("x-upesi-internal-token", INTERNAL)], timeout=60))
+        assert sum(len(d.token_ids) for m in out for d in m.deltas) == 2

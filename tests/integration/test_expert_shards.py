@@ -23,7 +23,7 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import CHAT_PROMPTS, ROOT, Stack, free_port
+from tests.conftest import CHAT_PROMPTS, INTERNAL, ROOT, Stack, free_port
 from upesi.v1 import experts_pb2, experts_pb2_grpc, target_pb2, target_pb2_grpc
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc
@@ -131,7 +131,8 @@ def test_one_dispatch_per_shard_per_layer_per_step_whatever_the_batch(stack, stu
         assert {s: rpcs1[s] - rpcs0.get(s, 0) for s in rpcs1} == \
             {str(s): NUM_LAYERS * steps for s in range(stack.num_shards)}, f"{len(batch)} requests, {steps} steps"
     with grpc.insecure_channel(stack.shard_addresses[0]) as ch:      # the shard counts the same calls
-        info = experts_pb2_grpc.ExpertsStub(ch).Info(experts_pb2.ShardInfoRequest(), timeout=10)
+        info = experts_pb2_grpc.ExpertsStub(ch).Info(experts_pb2.ShardInfoRequest(), timeout=10,
+                                                              metadata=INTERNAL)
     assert info.dispatches == rpcs1["0"] and info.held == NUM_LAYERS and info.num_shards == stack.num_shards
 
 
@@ -149,18 +150,23 @@ def test_shard_loads_units_on_demand_and_rejects_bad_input(stack):
                                       expert_ids=pb_tensor(torch.ones(4, dtype=torch.int32)))
     with grpc.insecure_channel(stack.shard_addresses[0]) as c0, grpc.insecure_channel(stack.shard_addresses[1]) as c1:
         s0, s1 = experts_pb2_grpc.ExpertsStub(c0), experts_pb2_grpc.ExpertsStub(c1)
+        with pytest.raises(grpc.RpcError) as e:                 # a caller outside the deployment
+            s0.LoadExperts(experts_pb2.LoadExpertsRequest(experts=[experts_pb2.ExpertRef(layer=0, expert=1)]),
+                           timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as e:
-            s0.Dispatch(req, timeout=10)
+            s0.Dispatch(req, timeout=10, metadata=INTERNAL)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "LoadExperts" in e.value.details()
         r = s0.LoadExperts(experts_pb2.LoadExpertsRequest(experts=[experts_pb2.ExpertRef(layer=0, expert=1)]),
-                           timeout=120)
+                           timeout=120, metadata=INTERNAL)
         assert (r.loaded, r.held) == (1, NUM_LAYERS + 1)
-        a, b = s0.Dispatch(req, timeout=10).output, s1.Dispatch(req, timeout=10).output
+        a = s0.Dispatch(req, timeout=10, metadata=INTERNAL).output
+        b = s1.Dispatch(req, timeout=10, metadata=INTERNAL).output
         assert a.data == b.data and list(a.shape) == [4, 576]
         short = experts_pb2.Tensor(dtype="float32", shape=[4, 576], data=b"x")
         bad = experts_pb2.DispatchRequest(layer=0, hidden=short, expert_ids=req.expert_ids)
         with pytest.raises(grpc.RpcError) as e:
-            s1.Dispatch(bad, timeout=10)
+            s1.Dispatch(bad, timeout=10, metadata=INTERNAL)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hidden" in e.value.details()
         assert "Traceback" not in e.value.details()
 

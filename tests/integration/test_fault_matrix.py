@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import ROOT, Stack, free_port
+from tests.conftest import INTERNAL_TOKEN, ROOT, Stack, free_port
 from tests.redis_server import RedisServer
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc, target_pb2, target_pb2_grpc
@@ -180,7 +180,7 @@ def test_sigterm_router_drains_in_flight_and_refuses_new(full_stack, reference, 
     log = open(tmp_path / "router.log", "w")
     router = subprocess.Popen([sys.executable, "-m", "services.cli", "router", "--address", address,
                                "--target", full_stack.target_address, "--http-port", "0"], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT)
+                              stderr=subprocess.STDOUT, env={**os.environ, "UPESI_INTERNAL_TOKEN": INTERNAL_TOKEN})
     try:
         with grpc.insecure_channel(address) as ch:
             grpc.channel_ready_future(ch).result(timeout=120)
