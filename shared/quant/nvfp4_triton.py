@@ -94,8 +94,21 @@ def _nvfp4_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def nvfp4_matmul(x: torch.Tensor, w: NVFP4Weight, block_m: int = 32, block_n: int = 64,
-                 block_k: int = 64) -> torch.Tensor:
+# (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)): from 17 rows on the fastest of a sweep on an H200 for
+# 8192 x 8192 weights (bench/sweep_nvfp4_tiles.py; docs/gpu-kernels.md); up to 16 rows the launch dominates and
+# no tile measured reliably faster than 32 x 64 x 64
+TILES = [(16, (32, 64, 64, 4, 3)), (128, (128, 64, 128, 8, 4))]
+LARGE_M_TILE = (128, 64, 64, 8, 3)
+
+
+def tiles_for(m: int) -> tuple[int, int, int, int, int]:
+    """The default (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for a product over m rows."""
+    return next((t for most, t in TILES if m <= most), LARGE_M_TILE)
+
+
+def nvfp4_matmul(x: torch.Tensor, w: NVFP4Weight, block_m: int | None = None, block_n: int | None = None,
+                 block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None
+                 ) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) -> [..., N] in x's dtype: the W4A16 product on CUDA (or the interpreter).
 
     Raises NVFP4ShapeError on a K mismatch or a bad tile size and NVFP4DeviceError for CPU tensors outside
@@ -103,6 +116,13 @@ def nvfp4_matmul(x: torch.Tensor, w: NVFP4Weight, block_m: int = 32, block_n: in
     """
     if x.shape[-1] != w.in_features:
         raise NVFP4ShapeError(f"x has {x.shape[-1]} features, the weight expects {w.in_features}")
+    rows = x.numel() // max(1, x.shape[-1])
+    dm, dn, dk, dw, ds = tiles_for(rows)
+    if block_m is None and block_n is None and block_k is None:     # a tile given in part keeps the others' old
+        num_warps = dw if num_warps is None else num_warps          # defaults, so explicit tiles mean the same
+        num_stages = ds if num_stages is None else num_stages
+        block_m, block_n, block_k = dm, dn, dk
+    block_m, block_n, block_k = block_m or 32, block_n or 64, block_k or 64
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise NVFP4ShapeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
     if any(b & (b - 1) for b in (block_m, block_n, block_k)) or min(block_m, block_n) < 16 or block_k < 32:
@@ -126,5 +146,7 @@ def nvfp4_matmul(x: torch.Tensor, w: NVFP4Weight, block_m: int = 32, block_n: in
         x2.stride(0), x2.stride(1), w.packed.stride(0), w.packed.stride(1), scale.stride(0), scale.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=x.dtype == torch.float32 or interpreting,
+        **({} if num_warps is None else {"num_warps": num_warps}),
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
