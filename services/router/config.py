@@ -34,6 +34,9 @@ class RouterConfig:
     tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
     api_key: str | None = option(None, "require this API key (authorization: Bearer KEY) on gRPC and HTTP")
     api_keys_file: str | None = option(None, "YAML file of API keys with per-key limits (see services/router/auth.py)")
+    request_timeout_s: float = option(600.0, "longest a request may run, from arrival to its last token "
+                                             "(DEADLINE_EXCEEDED / HTTP 504 after it); a client's shorter gRPC "
+                                             "deadline wins")
     max_request_bytes: int = option(4 * 2**20, "largest request accepted, in bytes: an HTTP body (413 above it) or "
                                                "a gRPC message (RESOURCE_EXHAUSTED)")
     max_prompt_chars: int = option(0, "longest prompt in characters (all messages together), refused before it is "
@@ -53,6 +56,8 @@ class RouterConfig:
             raise ValueError("max_concurrent_requests and max_n must be positive")
         if self.speculative_max_requests < 0:
             raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
         if self.max_request_bytes < 1024 or self.max_prompt_chars < 0:
             raise ValueError("max_request_bytes must be at least 1024 and max_prompt_chars >= 0 (0 = from the "
                              "context window)")

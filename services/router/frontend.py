@@ -115,6 +115,8 @@ class Frontend:
         n = 1 if inp.n is None else inp.n
         if not 1 <= n <= self.cfg.max_n:
             raise InvalidRequest(f"n must be between 1 and {self.cfg.max_n}, got {n}")
+        if inp.beam_width is not None and inp.beam_width > self.cfg.max_n:
+            raise InvalidRequest(f"beam_width must be at most {self.cfg.max_n}, got {inp.beam_width}")
         if len(inp.cache_salt) > 256:
             raise InvalidRequest("cache_salt is longer than 256 characters")
         if len(inp.stop) > self.cfg.max_stop_strings:
@@ -134,7 +136,7 @@ class Frontend:
         if len(ids) >= limit:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but the model's context window is {limit} "
                                  f"tokens (prompt plus output); shorten it by at least {len(ids) - limit + 1} tokens")
-        caller.check(len(ids), inp.max_tokens, n)
+        caller.check(len(ids), inp.max_tokens, max(n, inp.beam_width or 0))   # beams cost as choices do
         room = limit - len(ids)
         cap = caller.limits.max_tokens
         max_tokens = (room if cap is None else min(room, cap)) if inp.max_tokens is None else inp.max_tokens
@@ -155,6 +157,7 @@ class Frontend:
         if self.draining:
             raise Draining("the router is shutting down; retry on another replica")
         caller = caller or self.keys.authenticate(None)
+        timeout = self.cfg.request_timeout_s if timeout is None else min(timeout, self.cfg.request_timeout_s)
         if self.in_flight >= self.cfg.max_concurrent_requests:
             raise Overloaded(f"{self.in_flight} requests in flight (limit {self.cfg.max_concurrent_requests}); "
                              "retry later")

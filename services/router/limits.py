@@ -81,7 +81,8 @@ class Caller:
             raise InvalidRequest(f"max_tokens {max_tokens} is above the limit of {self.who}; "
                                  f"ask for at most {lim.max_tokens}")
         if lim.max_n is not None and n > lim.max_n:
-            raise InvalidRequest(f"n {n} is above the limit of {self.who}; ask for at most {lim.max_n} choices")
+            raise InvalidRequest(f"n (or beam_width) {n} is above the limit of {self.who}; ask for at most "
+                                 f"{lim.max_n} choices")
 
     @contextmanager
     def admitted(self) -> Iterator[None]:

@@ -1,0 +1,75 @@
+"""The router's Frontend with stand-in target replicas: the server-side deadline, beams counted as choices, the
+prompt-size bound before tokenising, and a request moved to another replica when its first one is unavailable."""
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+from services.router.config import RouterConfig
+from services.router.frontend import Frontend, GenerationInput
+from services.router.target_client import StepOutput, TargetInfo
+from shared.engine.sampling_params import InvalidRequest
+from shared.rpc.errors import PeerUnavailable
+
+
+@functools.cache
+def tokenizer():
+    from shared.model.loader import default_model_path
+    from shared.tokenizer import Tokenizer
+    return Tokenizer(default_model_path())
+
+
+class FakeTarget:
+    """Answers one token and "length", or fails with PeerUnavailable before answering."""
+
+    def __init__(self, address: str, fail: bool = False) -> None:
+        self.address, self.fail, self.up, self.timeouts = address, fail, True, []
+
+    async def generate(self, request_id, prompt, params, timeout, attach=False):
+        self.timeouts.append(timeout)
+        if self.fail:
+            self.up = False
+            raise PeerUnavailable(f"target {self.address} is unavailable: connection refused")
+        yield StepOutput([(0, [42], "length")], {}, len(prompt), 0)
+
+
+def frontend(targets: list[FakeTarget], **cfg) -> Frontend:
+    info = TargetInfo("m", 1024, 49152, [0], 16)
+    return Frontend(RouterConfig(**cfg), tokenizer(), targets, info)
+
+
+async def run(f: Frontend, inp: GenerationInput, timeout: float | None = None) -> list:
+    return [c async for c in f.stream(inp, timeout)]
+
+
+def test_every_request_has_a_deadline():
+    t = FakeTarget("a")
+    f = frontend([t], request_timeout_s=30)
+    asyncio.run(run(f, GenerationInput(prompt="Hello", max_tokens=1)))
+    asyncio.run(run(f, GenerationInput(prompt="Hello", max_tokens=1), timeout=5.0))
+    asyncio.run(run(f, GenerationInput(prompt="Hello", max_tokens=1), timeout=100.0))
+    assert t.timeouts == [30, 5.0, 30]
+
+
+def test_beams_count_as_choices_and_long_prompts_stop_before_tokenising(monkeypatch):
+    f = frontend([FakeTarget("a")], max_n=4)
+    with pytest.raises(InvalidRequest, match="beam_width must be at most 4"):
+        asyncio.run(run(f, GenerationInput(prompt="Hi", max_tokens=1, beam_width=5)))
+    monkeypatch.setattr(f.tok, "encode", lambda text: pytest.fail("tokenised a prompt over the bound"))
+    with pytest.raises(InvalidRequest, match="at most 32768"):
+        asyncio.run(run(f, GenerationInput(prompt="x" * (32 * 1024 + 1), max_tokens=1)))
+
+
+def test_an_unavailable_replica_is_skipped_and_marked_down():
+    dead, alive = FakeTarget("a", fail=True), FakeTarget("b")
+    f = frontend([dead, alive])
+    chunks = asyncio.run(run(f, GenerationInput(prompt="Hello", max_tokens=1)))
+    assert chunks[-1].done and chunks[-1].completion_tokens == 1
+    assert len(dead.timeouts) == 1 and len(alive.timeouts) == 1 and not dead.up
+    asyncio.run(run(f, GenerationInput(prompt="Hello again", max_tokens=1)))
+    assert len(dead.timeouts) == 1 and len(alive.timeouts) == 2     # the down replica is not tried again
+    only_dead = frontend([FakeTarget("c", fail=True)])
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(run(only_dead, GenerationInput(prompt="Hello", max_tokens=1)))
