@@ -285,12 +285,23 @@ def main(args: argparse.Namespace) -> None:
         _wait_healthy(cfg.address, procs, cfg.ready_timeout_s, _client_tls(cfg))
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "
               "(Ctrl-C to stop)", flush=True)
+        # a service that dies within a minute of its start waits 1, 2, 4 ... 60 s before the next one
+        started = {i: time.monotonic() for i in restartable}
+        delay = {i: 0.0 for i in restartable}
+        restart_at: dict[int, float] = {}
         while True:
+            now = time.monotonic()
             for i, (shard, address, command) in restartable.items():   # restart it; its callers reconnect
-                if procs[i].poll() is not None:
-                    print(f"upesi: {shard} exited (code {procs[i].returncode}); restarting it",
-                          file=sys.stderr, flush=True)
-                    procs[i] = _child(command, env)
+                if procs[i].poll() is None:
+                    continue
+                if i not in restart_at:
+                    delay[i] = min(60.0, max(1.0, 2 * delay[i])) if now - started[i] < 60 else 0.0
+                    restart_at[i] = now + delay[i]
+                    print(f"upesi: {shard} exited (code {procs[i].returncode}); restarting it"
+                          + (f" in {delay[i]:.0f} s" if delay[i] else ""), file=sys.stderr, flush=True)
+                if now >= restart_at[i]:
+                    del restart_at[i]
+                    procs[i], started[i] = _child(command, env), now
                     print(f"upesi: {shard} on {address} (pid {procs[i].pid})", flush=True)
             if any(p.poll() is not None for i, p in enumerate(procs) if i not in restartable):
                 break

@@ -157,44 +157,47 @@ class Frontend:
         if self.draining:
             raise Draining("the router is shutting down; retry on another replica")
         caller = caller or self.keys.authenticate(None)
-        timeout = self.cfg.request_timeout_s if timeout is None else min(timeout, self.cfg.request_timeout_s)
+        budget = self.cfg.request_timeout_s if timeout is None else min(timeout, self.cfg.request_timeout_s)
+        deadline = time.monotonic() + budget                 # one deadline for the request, whatever the retries
         if self.in_flight >= self.cfg.max_concurrent_requests:
             raise Overloaded(f"{self.in_flight} requests in flight (limit {self.cfg.max_concurrent_requests}); "
                              "retry later")
-        # Tokenising a long prompt takes milliseconds: off the event loop, which serves every other stream.
-        ids, params = await asyncio.to_thread(self.prepare, inp, caller)
-        params.cache_salt = caller.cache_salt(inp.cache_salt)
-        with caller.admitted():
-            async with contextlib.aclosing(self._stream(ids, params, inp, timeout)) as chunks:   # closing it
-                async for chunk in chunks:                                         # cancels the target's work
-                    yield chunk
-
-    async def _stream(self, ids: list[int], params: SamplingParams, inp: GenerationInput,
-                      timeout: float | None) -> AsyncIterator[StreamChunk]:
-        """Runs the request on a replica; one that is unavailable before anything reached the client (killed,
-        restarting, draining) is marked down and the next is tried, so a lost replica costs only the requests
-        that were running on it."""
-        self.in_flight += 1
+        self.in_flight += 1                 # counted before tokenising: a burst cannot all pass the check above
         metrics.IN_FLIGHT.inc()
-        metrics.PROMPT_TOKENS.inc(len(ids))
-        tried: list[TargetClient] = []
         try:
-            while True:
-                target = await self.choose_target(ids, params.cache_salt, tried)
-                tried.append(target)
-                answered = False
-                try:
-                    async for chunk in self._on_target(target, ids, params, inp, timeout):
-                        answered = True
+            # Tokenising a long prompt takes milliseconds: off the event loop, which serves every other stream.
+            ids, params = await asyncio.to_thread(self.prepare, inp, caller)
+            params.cache_salt = caller.cache_salt(inp.cache_salt)
+            with caller.admitted():
+                async with contextlib.aclosing(self._stream(ids, params, inp, deadline)) as chunks:   # closing it
+                    async for chunk in chunks:                                        # cancels the target's work
                         yield chunk
-                    return
-                except PeerUnavailable as e:
-                    if answered or len(tried) == len(self.targets):
-                        raise
-                    log.warning("%s; trying another replica", e)
         finally:
             self.in_flight -= 1
             metrics.IN_FLIGHT.dec()
+
+    async def _stream(self, ids: list[int], params: SamplingParams, inp: GenerationInput,
+                      deadline: float) -> AsyncIterator[StreamChunk]:
+        """Runs the request on a replica; one that is unavailable before anything reached the client (killed,
+        restarting, draining) is marked down and the next is tried, so a lost replica costs only the requests
+        that were running on it."""
+        metrics.PROMPT_TOKENS.inc(len(ids))
+        tried: list[TargetClient] = []
+        while True:
+            target = await self.choose_target(ids, params.cache_salt, tried)
+            tried.append(target)
+            answered = False
+            left = max(0.001, deadline - time.monotonic())
+            try:
+                async with contextlib.aclosing(self._on_target(target, ids, params, inp, left)) as chunks:
+                    async for chunk in chunks:
+                        answered = True
+                        yield chunk
+                return
+            except PeerUnavailable as e:
+                if answered or len(tried) == len(self.targets):
+                    raise
+                log.warning("%s; trying another replica", e)
 
     async def _on_target(self, target: TargetClient, ids: list[int], params: SamplingParams,
                          inp: GenerationInput, timeout: float | None) -> AsyncIterator[StreamChunk]:

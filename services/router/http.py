@@ -35,11 +35,8 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def start_http(app: FastAPI, host: str, port: int, max_connections: int | None = None
-                     ) -> tuple[_Server, asyncio.Task]:
-    """max_connections: connections and requests served at once; uvicorn answers 503 to more."""
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                    limit_concurrency=max_connections))
+async def start_http(app: FastAPI, host: str, port: int) -> tuple[_Server, asyncio.Task]:
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

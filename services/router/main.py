@@ -47,9 +47,7 @@ async def serve(cfg: RouterConfig) -> None:
     async def on_start() -> None:
         nonlocal http
         if cfg.http_port:
-            # the requests the router serves at once, plus room for probes, scrapes and refusals
-            http = await start_http(build_app(frontend), cfg.http_host, cfg.http_port,
-                                    cfg.max_concurrent_requests + 64)
+            http = await start_http(build_app(frontend), cfg.http_host, cfg.http_port)
 
     async def on_stop() -> None:
         if http:

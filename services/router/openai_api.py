@@ -343,9 +343,8 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
 
     async def serve(request: Request, kind: type[_Request], method: str) -> Response:
         try:
-            body = await _read_body(request, frontend.cfg.max_request_bytes)
-            caller = frontend.keys.authenticate(request.headers.get("authorization"))
-            req = parse(kind, body)
+            caller = frontend.keys.authenticate(request.headers.get("authorization"))    # no body read before
+            req = parse(kind, await _read_body(request, frontend.cfg.max_request_bytes))
             if req.model is not None and req.model != frontend.info.model:
                 raise unknown(req.model)
             inp = generation_input(req, frontend.info.vocab_size)

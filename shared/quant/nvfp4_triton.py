@@ -101,8 +101,11 @@ TILES = [(16, (32, 64, 64, 4, 3)), (128, (128, 64, 128, 8, 4))]
 LARGE_M_TILE = (128, 64, 64, 8, 3)
 
 
-def tiles_for(m: int) -> tuple[int, int, int, int, int]:
-    """The default (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for a product over m rows."""
+def tiles_for(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
+    """The default (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for a product over m rows of x. The swept tiles are
+    for 16-bit x; fp32 tiles take twice the shared memory (the 128-row ones do not fit), so fp32 keeps 32 x 64 x 64."""
+    if dtype == torch.float32:
+        return TILES[0][1]
     return next((t for most, t in TILES if m <= most), LARGE_M_TILE)
 
 
@@ -117,7 +120,7 @@ def nvfp4_matmul(x: torch.Tensor, w: NVFP4Weight, block_m: int | None = None, bl
     if x.shape[-1] != w.in_features:
         raise NVFP4ShapeError(f"x has {x.shape[-1]} features, the weight expects {w.in_features}")
     rows = x.numel() // max(1, x.shape[-1])
-    dm, dn, dk, dw, ds = tiles_for(rows)
+    dm, dn, dk, dw, ds = tiles_for(rows, x.dtype)
     if block_m is None and block_n is None and block_k is None:     # a tile given in part keeps the others' old
         num_warps = dw if num_warps is None else num_warps          # defaults, so explicit tiles mean the same
         num_stages = ds if num_stages is None else num_stages

@@ -3,7 +3,7 @@
 The router's public port is for clients (API keys, services/router/auth.py). The target, draft and expert-shard
 ports are internal: with `UPESI_INTERNAL_TOKEN` set in their environment they refuse, with UNAUTHENTICATED, every
 call that does not carry the same token in its `x-upesi-internal-token` metadata, except health checks, reflection
-and the read-only status calls in OPEN. Every channel a service makes (shared.rpc.channel) sends the token of its
+and the read-only status calls in OPEN_METHODS. Every channel a service makes (shared.rpc.channel) sends the token of its
 own environment. `upesi serve` generates a token at start for the services it launches; deployments that start the
 services one by one give them all the same value. mTLS (shared.rpc.channel) is the stronger alternative across
 hosts; the token also holds where TLS is off.
@@ -19,8 +19,10 @@ import grpc
 
 ENV = "UPESI_INTERNAL_TOKEN"
 METADATA_KEY = "x-upesi-internal-token"
-# read-only status calls, open like health checks: the router and the launcher probe with them, as may monitoring
-OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/upesi.v1.Target/Info", "/upesi.v1.Target/Load")
+# open like health checks: health and reflection (by prefix), and the read-only status calls (by exact name) the
+# router and monitoring probe with
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+OPEN_METHODS = frozenset({"/upesi.v1.Target/Info", "/upesi.v1.Target/Load"})
 
 
 def token() -> str | None:
@@ -136,7 +138,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN):
+        if handler is None or details.method in OPEN_METHODS or details.method.startswith(OPEN_PREFIXES):
             return handler
         given = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
         if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self.expected):

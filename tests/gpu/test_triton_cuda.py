@@ -139,3 +139,17 @@ def test_engine_on_cuda_matches_transformers(tmp_path, dtype: str) -> None:
             g = ref.generate(torch.tensor([prompt], device=CUDA), max_new_tokens=24, do_sample=False,
                              eos_token_id=None, temperature=None, top_p=None, top_k=None)
         assert out[0] == g[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 64, 128, 300], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nvfp4_gemm_default_tiles(m: int, dtype: torch.dtype) -> None:
+    """The tiles nvfp4_matmul picks by row count (tiles_for) against the dequantised product."""
+    g = torch.Generator().manual_seed(m)
+    w = quantise_weight(torch.randn(1000, 2048, generator=g))
+    x = torch.randn(m, 2048, generator=g).to(dtype)
+    ref = x.float() @ w.dequantise(torch.float32).T
+    wc = NVFP4Weight(w.packed.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA))
+    y = nvfp4_matmul(x.to(CUDA), wc)
+    atol = 1e-5 * 2048 ** 0.5 * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=2 * ULP[dtype] + 1e-6, atol=atol)

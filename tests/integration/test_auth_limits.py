@@ -180,12 +180,13 @@ def test_each_key_has_its_own_prefix_cache(stub):
 
 
 def test_size_limits_refuse_before_reading_or_tokenising(stack, stub):
-    """A body over --max-request-bytes (4 MiB) gets 413 without a key check or a parse, a gRPC message over it
-    RESOURCE_EXHAUSTED; a prompt over 32 characters per context token is refused before tokenising; the health
-    page answers meanwhile."""
+    """A body over --max-request-bytes (4 MiB) gets 413 by its Content-Length, unread (without a key: 401, also
+    unread), a gRPC message over it RESOURCE_EXHAUSTED; a prompt over 32 characters per context token is refused
+    before tokenising; the health page answers meanwhile."""
     big = json.dumps({"prompt": "x" * (5 * 2**20), "max_tokens": 1}).encode()
     t0 = time.monotonic()
-    status, body = http_raw(stack, "/v1/completions", big)
+    assert http_raw(stack, "/v1/completions", big)[0] == 401
+    status, body = http_raw(stack, "/v1/completions", big, OTHER)
     assert status == 413 and body["error"]["code"] == "request_too_large" and "4194304" in body["error"]["message"]
     assert time.monotonic() - t0 < 30
     assert http(stack, "/health")[0] == 200
@@ -199,7 +200,7 @@ def test_size_limits_refuse_before_reading_or_tokenising(stack, stub):
     assert status == 400 and "characters" in body["error"]["message"], body
 
 
-def http_raw(stack, path: str, data: bytes) -> tuple[int, dict]:
+def http_raw(stack, path: str, data: bytes, key: str | None = None) -> tuple[int, dict]:
     """POSTs the headers and the first 64 KiB of data, then reads the answer: a server that refuses the body by
     its Content-Length answers without waiting for the rest."""
     import http.client
@@ -208,6 +209,8 @@ def http_raw(stack, path: str, data: bytes) -> tuple[int, dict]:
         conn.putrequest("POST", path)
         conn.putheader("Content-Type", "application/json")
         conn.putheader("Content-Length", str(len(data)))
+        if key:
+            conn.putheader("Authorization", f"Bearer {key}")
         conn.endheaders(data[:65536])
         r = conn.getresponse()
         return r.status, json.loads(r.read())

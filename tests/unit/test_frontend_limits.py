@@ -50,7 +50,9 @@ def test_every_request_has_a_deadline():
     asyncio.run(run(f, GenerationInput(prompt="Hello", max_tokens=1)))
     asyncio.run(run(f, GenerationInput(prompt="Hello", max_tokens=1), timeout=5.0))
     asyncio.run(run(f, GenerationInput(prompt="Hello", max_tokens=1), timeout=100.0))
-    assert t.timeouts == [30, 5.0, 30]
+    bounds = [(29, 30), (4, 5.0), (29, 30)]                       # the time left of one deadline each
+    assert len(t.timeouts) == 3
+    assert all(lo < left <= hi for (lo, hi), left in zip(bounds, t.timeouts)), t.timeouts
 
 
 def test_beams_count_as_choices_and_long_prompts_stop_before_tokenising(monkeypatch):
@@ -67,9 +69,29 @@ def test_an_unavailable_replica_is_skipped_and_marked_down():
     f = frontend([dead, alive])
     chunks = asyncio.run(run(f, GenerationInput(prompt="Hello", max_tokens=1)))
     assert chunks[-1].done and chunks[-1].completion_tokens == 1
-    assert len(dead.timeouts) == 1 and len(alive.timeouts) == 1 and not dead.up
+    assert len(dead.timeouts) == 1 and len(alive.timeouts) == 1
     asyncio.run(run(f, GenerationInput(prompt="Hello again", max_tokens=1)))
-    assert len(dead.timeouts) == 1 and len(alive.timeouts) == 2     # the down replica is not tried again
+    assert len(dead.timeouts) == 1 and len(alive.timeouts) == 2     # a replica marked down is not tried again
+    assert f.in_flight == 0 and f.load == {"a": 0, "b": 0}
     only_dead = frontend([FakeTarget("c", fail=True)])
     with pytest.raises(PeerUnavailable):
         asyncio.run(run(only_dead, GenerationInput(prompt="Hello", max_tokens=1)))
+
+
+def test_a_real_client_marks_an_unreachable_replica_down():
+    """TargetClient against a port nothing listens on: UNAVAILABLE becomes PeerUnavailable, and the replica is
+    down for its hold-off."""
+    from services.router.target_client import TargetClient
+    from shared.engine.sampling_params import SamplingParams
+    from tests.conftest import free_port
+
+    async def go() -> TargetClient:
+        client = TargetClient(f"127.0.0.1:{free_port()}", retry_after_s=60)
+        assert client.up
+        with pytest.raises(PeerUnavailable, match="is unavailable"):
+            async for _ in client.generate("r", [1, 2], SamplingParams(max_tokens=1), timeout=10):
+                pass
+        await client.close()
+        return client
+
+    assert not asyncio.run(go()).up
