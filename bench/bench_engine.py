@@ -27,7 +27,7 @@ def main() -> None:
 
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     from shared.tokenizer import Tokenizer
 
     eng = LLMEngine(EngineConfig(progress=False, dtype=a.dtype, num_threads=a.threads,

@@ -6,9 +6,10 @@ default model, and the bytes that cross the wire.
     .venv/bin/python bench/bench_experts.py --rebalance [--shards 2]
 
 --rebalance: expert load imbalance (busiest shard / mean shard) before and after the automatic rebalancer, on a
-skewed workload: a tiny DeepSeek-V3 (tests/moe_checkpoints.py) whose correction bias sends every token to experts 0
-and 1, both on shard 0. Shard loads are the slots each shard process computed (its Info), dense layer 0's slices
-included; the rebalancer's own figure is the expected load of the worst MoE layer from the measured expert load.
+skewed workload: a tiny DeepSeek-V3 (shared/testing/moe_checkpoints.py) whose correction bias sends every token
+to experts 0 and 1, both on shard 0. Shard loads are the slots each shard process computed (its Info), dense layer
+0's slices included; the rebalancer's own figure is the expected load of the worst MoE layer from the measured
+expert load.
 
 Napkin maths: a dense layer split over N shards sends every shard the step's hidden states and gets a partial sum
 back, so each token costs 2 * N * D * 4 bytes per layer in fp32 (D = 576: 9,216 bytes for N = 2), plus a few bytes of
@@ -46,7 +47,7 @@ def free_port() -> int:
 
 def decode_step_times(eng, prompts: list[list[int]], steps: int) -> list[float]:
     """Seconds of each of `steps` decode steps of a batch of len(prompts) sequences (after their prefill)."""
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -77,11 +78,11 @@ def rebalance(a: argparse.Namespace) -> None:
 
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
     from shared.model.placement import Placement
-    from shared.model.rebalance import Rebalancer
-    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
-    from tests.moe_checkpoints import save_tiny
+    from shared.sampling_params import SamplingParams
+    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.rebalance import Rebalancer
+    from shared.testing.moe_checkpoints import save_tiny
 
     path = tempfile.mkdtemp(prefix="upesi-skewed-")
     save_tiny(path, "deepseek_v3_skewed")
@@ -144,7 +145,7 @@ def main() -> None:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.model.placement import Placement
-    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
     from shared.tokenizer import Tokenizer
 
     addresses, shards = _start_shards(a.shards, a.shard_threads)

@@ -56,6 +56,7 @@ class Stack:
                 raise RuntimeError(Path(self.log.name).read_text()[-2000:])
             time.sleep(0.5)
         import grpc
+
         from upesi.v1 import generation_pb2_grpc
         self.channel = grpc.insecure_channel(self.address)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
@@ -87,7 +88,7 @@ class HF:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from shared.model.loader import default_model_path
+        from shared.model_files import default_model_path
         torch.set_num_threads(threads)
         path = default_model_path()
         d, f = os.path.dirname(path), os.path.basename(path)

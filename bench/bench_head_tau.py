@@ -28,7 +28,7 @@ from bench_speculative import PROMPTS  # noqa: E402
 
 
 def tau(engine, tok, texts: list[str], tokens: int) -> float:
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     engine.stats_accepted, emitted = 0, 0
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, num_speculative_tokens=4)
@@ -51,7 +51,7 @@ def main() -> None:
 
     from services.train_draft_cmd import read_prompts
     from shared.engine.config import EngineConfig, serving_dtype
-    from shared.engine.engine import LLMEngine
+    from shared.spec.factory import build_engine
     from shared.tokenizer import Tokenizer
 
     dtype = serving_dtype(args.dtype, torch.device("cpu"))
@@ -61,7 +61,7 @@ def main() -> None:
                                                if args.held_out else [])
     for head in args.heads:
         for nodes in args.nodes:
-            eng = LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.5, speculative=f"eagle:{head}",
+            eng = build_engine(EngineConfig(progress=False, kv_cache_gb=0.5, speculative=f"eagle:{head}",
                                          num_speculative_tokens=4, draft_tree_nodes=nodes, dtype=dtype))
             tok = Tokenizer(eng.model_path)
             t0 = time.perf_counter()

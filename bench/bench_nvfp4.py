@@ -50,8 +50,8 @@ def perplexity(path: str, ids: list[int], act_quant: bool = False) -> float:
 
 
 def model_figures(args: argparse.Namespace) -> dict:
-    from shared.model.loader import default_model_path
-    from shared.quant.quantize import quantize
+    from shared.convert.quantize import quantize
+    from shared.model_files import default_model_path
     from shared.tokenizer import Tokenizer
 
     src = default_model_path()

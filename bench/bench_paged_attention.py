@@ -52,7 +52,7 @@ def decode_batch(batch: int, context: int, heads: int, kv_heads: int, head_dim: 
         max_query_len=n,
     )
     if tree_nodes:
-        from shared.engine.tree import ancestor_mask
+        from shared.tree import ancestor_mask
 
         mask = ancestor_mask([(i - 1) // 2 for i in range(tree_nodes)], device)                  # [n, n]
         meta.tree_masks = {b: mask for b in range(batch)}

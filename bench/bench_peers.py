@@ -90,6 +90,7 @@ class ServeStack:
                 raise RuntimeError(Path(self.log.name).read_text()[-3000:])
             time.sleep(0.5)
         import grpc
+
         from upesi.v1 import generation_pb2_grpc
         self.channel = grpc.insecure_channel(self.address)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
@@ -179,7 +180,7 @@ def measure_hf(a: argparse.Namespace, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.model.loader import default_model_path
+    from shared.model_files import default_model_path
     torch.set_num_threads(a.threads)
     path = default_model_path()
     d, f = os.path.dirname(path), os.path.basename(path)

@@ -23,8 +23,7 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
     NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains;
     NAME+N speculates only while at most N sequences run, --speculative-max-seqs N; NAME*N runs the target's
     steps over 4 or more rows on N threads, --wide-threads N, e.g. plain*1 against the default of --wide-threads;
-    NAME=DIR drafts with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head; NAME-cost sizes
-    trees by the target's measured step costs, --draft-tree-costs true)
+    NAME=DIR drafts with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from tests.conftest import Stack, free_port  # noqa: E402
+from shared.testing.stack import Stack, free_port  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a robot learning to paint.",
@@ -62,8 +61,7 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str, wide_thre
     """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32),
     NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for), NAME/N sets
     --draft-tree-nodes N (e.g. eagle-draft/0: chains), NAME+N --speculative-max-seqs N, NAME*N --wide-threads N
-    (else the bench's --wide-threads), NAME=DIR the head in DIR, NAME-cost --draft-tree-costs true (trees sized by
-    the target's step costs)."""
+    (else the bench's --wide-threads), NAME=DIR the head in DIR."""
     name, _, other = name.partition("=")
     head = other or head
     name, _, own = name.partition(":")
@@ -81,11 +79,8 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str, wide_thre
         base += ["--speculative-max-seqs", max_seqs]
     draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
-    cost = name.endswith("-cost")                       # trees sized by the target's step costs
-    name = name.removesuffix("-cost")
     fixed = name.endswith("-fixed")                     # always K drafts (--adaptive-speculation false)
     name = name.removesuffix("-fixed")
-    base += ["--draft-tree-costs", str(cost).lower()]
     return base + ["--adaptive-speculation", str(not fixed).lower()] + {
         "plain": [], "eagle-draft": draft, "ngram-draft": ngram_draft,
         "eagle-inproc": ["--speculative", f"eagle:{head}"], "ngram": ["--speculative", "ngram"]}[name]
@@ -153,11 +148,11 @@ def measure_cost_ratio(head: str, k: int, threads: int, dtype: str, reps: int = 
     import torch
 
     from shared.engine.config import EngineConfig, serving_dtype
-    from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
+    from shared.spec.factory import build_engine
 
     torch.set_num_threads(threads)
-    eng = LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.25, speculative=f"eagle:{head}",
+    eng = build_engine(EngineConfig(progress=False, kv_cache_gb=0.25, speculative=f"eagle:{head}",
                                  dtype=serving_dtype(dtype, torch.device("cpu")),
                                  num_speculative_tokens=k, draft_tree_nodes=tree_nodes))
     prompt = list(range(100, 160))
@@ -212,7 +207,7 @@ def main() -> None:
     import torch
 
     from shared.engine.config import serving_dtype
-    from shared.engine.eagle import EagleConfig
+    from shared.spec.eagle import EagleConfig
 
     results = measure_stacks(args)
     c = measure_cost_ratio(args.head, args.k, args.threads, args.dtype)

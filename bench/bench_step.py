@@ -66,10 +66,9 @@ def timed_parts(eng) -> dict[str, float]:
 
 
 def run(eng, batch: int, steps: int, parts: dict[str, float] | None) -> float:
-    from shared.engine.sampling_params import SamplingParams
-    from shared.tokenizer import Tokenizer
-
     from bench.bench_generate import PROMPTS
+    from shared.sampling_params import SamplingParams
+    from shared.tokenizer import Tokenizer
     tok = Tokenizer(eng.model_path)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     k = eng.cfg.num_speculative_tokens if eng.proposer is not None else 0      # up to K + 1 tokens a step
@@ -106,9 +105,9 @@ def main() -> None:
     import torch
 
     from shared.engine.config import EngineConfig, serving_dtype
-    from shared.engine.engine import LLMEngine
+    from shared.spec.factory import build_engine
     dtype = serving_dtype(a.dtype, torch.device("cpu"))
-    eng = LLMEngine(EngineConfig(progress=False, dtype=dtype, num_threads=a.threads, speculative=a.speculative,
+    eng = build_engine(EngineConfig(progress=False, dtype=dtype, num_threads=a.threads, speculative=a.speculative,
                                  num_speculative_tokens=a.k, draft_tree_nodes=a.tree_nodes))
     out = {}
     plains = {b: run(eng, b, a.steps, None) for b in a.batch}       # untimed first, then with the clocks on

@@ -50,8 +50,8 @@ def main() -> None:
             return itertools.product([16], [16, 32, 64, 128], [64, 128, 256], [4], [2, 4])
         return itertools.product([64, 128], [64, 128], [64, 128], [4, 8], [3, 4])
 
-    print(f"{torch.cuda.get_device_name()}; shape: the former default tile (32x64x64) us, best us (bm, bn, bk, warps, stages), "
-          f"bf16 us")
+    print(f"{torch.cuda.get_device_name()}; shape: the former default tile (32x64x64) us, "
+          f"best us (bm, bn, bk, warps, stages), bf16 us")
     for m, n, k in SHAPES:
         w = torch.randn(n, k, device="cuda")
         q = quantise_weight(w)

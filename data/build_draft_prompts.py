@@ -46,9 +46,11 @@ Write a short poem about {t}.|Write a short story that involves {t}.|Summarize t
 What are common misconceptions about {t}?|Why is {t} important?|Explain {t} to a ten-year-old.|
 Write a tweet about {t}.|What are the pros and cons of {t}?|Compare {t} with something from everyday life.|
 List five questions a student might ask about {t}.|Write a haiku about {t}.|How would you teach a class about {t}?|
-Describe {t} in three sentences.|What should a beginner know about {t}?|Write a short dialogue between two friends about {t}.|
+Describe {t} in three sentences.|What should a beginner know about {t}?|
+Write a short dialogue between two friends about {t}.|
 Give me a fun quiz with three questions about {t}.|Write an encouraging note to someone who is learning about {t}.|
-What is the most surprising thing about {t}?|Write a limerick about {t}.|How has {t} changed over the last hundred years?|
+What is the most surprising thing about {t}?|Write a limerick about {t}.|
+How has {t} changed over the last hundred years?|
 Write a short news headline and summary about {t}.|Give me an analogy that explains {t}.|
 What are three words that describe {t}, and why?|Write the opening paragraph of an essay about {t}.|
 Describe a day in the life of someone who works with {t}.|What would the world be like without {t}?""".replace("\n", "")

@@ -40,7 +40,7 @@ def sample_requests(samples: int, temperature: float, max_tokens: int, batch: in
 
     from shared.engine.config import EngineConfig, serving_dtype
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     from shared.tokenizer import Tokenizer
     eng = LLMEngine(EngineConfig(progress=False, kv_cache_gb=1.0, max_num_seqs=batch,
                                  dtype=serving_dtype("auto", torch.device("cpu"))))

@@ -39,14 +39,27 @@ def main(args: argparse.Namespace) -> None:
             setattr(req, name, getattr(args, name))
     with grpc.insecure_channel(args.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
+        text = ""                                      # the answer so far (its end decides the final newline)
         try:
             for msg in stub.GenerateStream(req, timeout=args.timeout):
                 for c in msg.choices:
                     sys.stdout.write(c.text)
+                    text = (text + c.text)[-1:]
                 sys.stdout.flush()
                 if msg.HasField("usage"):
                     u = msg.usage
-                    print(f"\n[{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]", file=sys.stderr)
+                    _end_line(text)
+                    text = "\n"
+                    print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]", file=sys.stderr)
         except grpc.RpcError as e:
-            print(f"\nupesi generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            _end_line(text)
+            print(f"upesi generate: {e.code().name}: {e.details()}", file=sys.stderr)
             sys.exit(1)
+        _end_line(text)
+
+
+def _end_line(text: str) -> None:
+    """Ends the answer on stdout with a newline, unless it already ends with one (or is empty)."""
+    if text and not text.endswith("\n"):
+        sys.stdout.write("\n")
+        sys.stdout.flush()

@@ -12,14 +12,22 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
+from shared.engine.config import (
+    DTYPE_HELP,
+    check_draft_confidence,
+    check_dtype,
+    check_speculative_max_seqs,
+    check_tree_shape,
+    check_wide_threads,
+)
 from shared.rpc import internal_token
-from shared.engine.config import (DTYPE_HELP, check_draft_confidence, check_dtype, check_speculative_max_seqs,
-                                  check_tree_shape, check_wide_threads)
 
 
 @dataclass(slots=True)
 class ServeConfig:
     model: str | None = option(None, "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    served_model_name: str | None = option(None, "the model's name in the OpenAI API (default: the model's file or "
+                                                 "folder name without extension or quantisation suffix)")
     address: str = option("127.0.0.1:50051", "router gRPC address (the public API)")
     http_host: str = option("127.0.0.1", "router HTTP host")
     http_port: int = option(8000, "router HTTP port (/health, /metrics)")
@@ -63,9 +71,6 @@ class ServeConfig:
                                                 "per depth, up to K depths, verified in one pass) of this many "
                                                 "nodes per step, shared by the step's greedy sequences; 0 = chains "
                                                 "of K (default: the head's own, from eagle.json)")
-    draft_tree_costs: bool = option(False, "the targets measure their step's time by rows and eagle trees (in "
-                                           "the targets or the draft service) keep only the nodes that pay for "
-                                           "their rows (see upesi target --help); false: always --draft-tree-nodes")
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")
@@ -182,7 +187,8 @@ def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
                 if p.poll() is not None:
                     raise RuntimeError(f"a service exited with code {p.returncode} while starting: {p.args[3:]}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
@@ -240,12 +246,12 @@ def main(args: argparse.Namespace) -> None:
         # services the launcher restarts when they die: index in procs -> (name, address, command)
         restartable: dict[int, tuple[str, str, list[str]]] = {}
         for i, address in enumerate(cfg.expert_addresses()):
-            restartable[len(procs)] = (f"expert shard {i}", address, ["experts", "--address", address, "--shard-index", str(i),
-                                               "--num-shards", str(cfg.expert_shards), "--device", cfg.device,
-                                               "--dtype", cfg.dtype,
-                                               "--num-threads", shard_threads, *model, *placement, *quant,
-                                               *_tls_args(cfg, client=False), "--metrics-port",
-                                               str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)])
+            command = ["experts", "--address", address, "--shard-index", str(i),
+                       "--num-shards", str(cfg.expert_shards), "--device", cfg.device, "--dtype", cfg.dtype,
+                       "--num-threads", shard_threads, *model, *placement, *quant,
+                       *_tls_args(cfg, client=False), "--metrics-port",
+                       str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)]
+            restartable[len(procs)] = (f"expert shard {i}", address, command)
             procs.append(_child(restartable[len(procs)][2], env))
             print(f"upesi: expert shard {i} on {address} (pid {procs[-1].pid})", flush=True)
         experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
@@ -253,8 +259,7 @@ def main(args: argparse.Namespace) -> None:
             experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
         spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
                 "--adaptive-speculation", str(cfg.adaptive_speculation).lower(),
-                "--speculative-max-seqs", str(cfg.speculative_max_seqs),
-                "--draft-tree-costs", str(cfg.draft_tree_costs).lower()]
+                "--speculative-max-seqs", str(cfg.speculative_max_seqs)]
         confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
         if cfg.draft_tree_nodes is not None:
             confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]
@@ -281,7 +286,8 @@ def main(args: argparse.Namespace) -> None:
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
                              *(["--draft", cfg.draft_address, "--speculative-max-requests",
                                 str(cfg.speculative_max_requests)] if cfg.draft else []),
-                             *model, *registry, *_tls_args(cfg, client=True)]))
+                             *model, *registry, *_tls_args(cfg, client=True),
+                             *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else [])]))
         _wait_healthy(cfg.address, procs, cfg.ready_timeout_s, _client_tls(cfg))
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "
               "(Ctrl-C to stop)", flush=True)

@@ -46,12 +46,6 @@ class TrainDraftConfig:
                                    "false: before it, where a few huge dimensions make the regression much harder "
                                    "(held-out mean accepted length 1.45 against 1.68 on SmolLM2-135M)")
     unroll: int = option(2, "training passes per batch: pass j feeds the features pass j - 1 predicted (draft depth j)")
-    aligned_context: bool = option(False, "pass j attends as draft step j does in serving (HASS): to the keys of "
-                                          "the target's real features up to the draft's start and to passes "
-                                          "1 .. j - 1 after it, and counts only pairs whose draft starts in the "
-                                          "answer; false: to its own pass's predicted features everywhere (measured "
-                                          "better: a 600-prompt fine-tune with --unroll 4 and this on gave benchmark "
-                                          "tau 2.33 against 2.36, held-out 2.50 against 2.69)")
     answers_cache: str | None = option(None, "JSON-lines file of the target's answers: read what is there, append "
                                              "what is generated (an interrupted run resumes; a retrain skips step 1)")
     gen_batch: int = option(128, "prompts the target answers at once")
@@ -102,7 +96,7 @@ def generate_answers(engine, prompts: list[list[int]], max_tokens: int, batch: i
 
     from tqdm import tqdm
 
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     done: dict[tuple[int, ...], list[int]] = {}
     if cache and os.path.exists(cache):
@@ -216,50 +210,29 @@ def pair_masks(lens: list[int], firsts: list[int], t: int):
     return (at < torch.tensor(lens)[:, None]) & (at >= first), at <= first
 
 
-def aligned_mask(lens: list[int], t: int, j: int):
-    """Attention of unrolled pass j over the keys of passes 0 .. j (HASS) -> [B, T, (j + 1) T] bool. Pair p of pass j
-    is draft step j + 1 of a draft that starts after real position p - j: it attends to pass 0's keys (the target's
-    own features) up to p - j, to pass i's key at p - j + i (the draft's step i + 1, 0 < i < j) and to its own."""
-    import torch
-
-    at = torch.arange(t)
-    p, q = at[:, None], at[None, :]                                               # [T, 1], [1, T]
-    real = (q <= p - j)[None] & (q[None] < torch.tensor(lens)[:, None, None])    # [B, T, T]
-    steps = [(q == p - j + i).expand(len(lens), t, t) for i in range(1, j + 1)]  # pass i's key of the same draft
-    return torch.cat([real] + steps, dim=-1)
-
-
-def unrolled_passes(head, f_in, toks, lens: list[int], valid, prompt, firsts: list[int], unroll: int,
-                    aligned: bool, bf16: bool = False):
+def unrolled_passes(head, f_in, toks, lens: list[int], valid, prompt, unroll: int,
+                    bf16: bool = False):
     """The head's training passes over a batch -> [(out [B, T, D] fp32, live [B, T] bool)], one per pass: the
     predicted features and the pairs that count. f_in [B, T, D]: the target's features of pairs (f_p, x_{p+1}),
     toks [B, T]: x_{p+1}; valid / prompt: pair_masks. Pass j is draft step j + 1 as serving runs it: from the
     answer on, pair p reads the feature pass j - 1 predicted at p - 1 (the head's own), paired with the real next
-    token (as when the drafts so far were right). With `aligned` (HASS), pass j attends to the keys of the
-    target's real features up to p - j and to passes 1 .. j - 1 after it (aligned_mask), exactly the context of
-    a draft that started after real position p - j, and only pairs p >= firsts + j count; without it, to its own
-    pass's keys everywhere (a context of predicted features that serving never has)."""
+    token (as when the drafts so far were right). Each pass attends to its own pass's keys (HASS's aligned
+    context measured worse here: docs/negative-results.md)."""
     import torch
 
-    from shared.engine.eagle import causal_mask
+    from shared.spec.eagle import causal_mask
 
     b, t, _ = f_in.shape
     pos = torch.arange(t).expand(b, -1)                                           # [B, T]
-    first = torch.tensor(firsts)[:, None]                                         # [B, 1]
     mask = causal_mask([0] * b, lens, f_in.device)                                # [B, T, T]
-    inp, keys, values, passes = f_in, None, None, []
-    for j in range(unroll):
-        live = valid & (pos >= first + j) if aligned else valid                  # [B, T]
-        if not live.any():                                                       # answers shorter than j pairs
+    inp, passes = f_in, []
+    for _ in range(unroll):
+        if not valid.any():                                                      # no pair of the batch counts
             break
-        past, att = ((keys, values), aligned_mask(lens, t, j)) if aligned and j else (None, mask)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out, k, v = head(inp, toks, pos, past, att)                          # [B, T, D]
-        if aligned:
-            keys = k if keys is None else torch.cat([keys, k], 1)                # [B, (j + 1) T, KVH, Dh]
-            values = v if values is None else torch.cat([values, v], 1)
+            out, _, _ = head(inp, toks, pos, None, mask)                         # [B, T, D]
         out = out.float()
-        passes.append((out, live))
+        passes.append((out, valid))
         inp = torch.where(prompt[..., None], f_in, torch.cat([f_in[:, :1], out[:, :-1].detach()], dim=1))
     return passes
 
@@ -301,8 +274,7 @@ def train(head, seqs: list[list[int]], feats, cfg: TrainDraftConfig, starts: lis
                 with torch.no_grad():
                     teacher = head.logits(f_out[valid]).softmax(-1)              # [valid, N]
                 reg = cls = 0.0
-                for out, live in unrolled_passes(head, f_in, toks, lens, valid, prompt, firsts, cfg.unroll,
-                                                 cfg.aligned_context, bf16):
+                for out, live in unrolled_passes(head, f_in, toks, lens, valid, prompt, cfg.unroll, bf16):
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                         logp = head.logits(out[live]).log_softmax(-1)            # [live, N] fp32
                     reg = reg + F.smooth_l1_loss(out[live] / scale, f_out[live] / scale)
@@ -327,11 +299,11 @@ def acceptance(model: str | None, head_dir: str, prompts: list[list[int]], max_t
     1, as the benchmark's headline: a step's draft-tree nodes are shared by the sequences it drafts for, so a batch
     of 24 would give each one node); and whether the speculative output equals plain greedy output."""
     from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
+    from shared.spec.factory import build_engine
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    eng = LLMEngine(EngineConfig(model=model, progress=False, kv_cache_gb=0.5, speculative=f"eagle:{head_dir}",
+    eng = build_engine(EngineConfig(model=model, progress=False, kv_cache_gb=0.5, speculative=f"eagle:{head_dir}",
                                  num_speculative_tokens=k))
     verifications = 0
     propose = eng.proposer.propose
@@ -352,8 +324,8 @@ def main(args: argparse.Namespace) -> None:
     import torch
 
     from shared.engine.config import EngineConfig, serving_dtype
-    from shared.engine.eagle import EagleHead, head_config_for
-    from shared.engine.engine import LLMEngine
+    from shared.spec.eagle import EagleHead, head_config_for
+    from shared.spec.factory import build_engine
     from shared.tokenizer import Tokenizer
 
     cfg = config_from_args(TrainDraftConfig, args)
@@ -367,7 +339,7 @@ def main(args: argparse.Namespace) -> None:
     random.Random(cfg.seed).shuffle(texts)
     texts = texts[:cfg.limit]
     dtype = serving_dtype(cfg.target_dtype, torch.device("cpu"))
-    engine = LLMEngine(EngineConfig(model=cfg.model, progress=False, kv_cache_gb=4.0, max_num_seqs=cfg.gen_batch,
+    engine = build_engine(EngineConfig(model=cfg.model, progress=False, kv_cache_gb=4.0, max_num_seqs=cfg.gen_batch,
                                     enable_prefix_caching=False, dtype=dtype))
     tok = Tokenizer(engine.model_path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]

@@ -10,6 +10,8 @@ import math
 import numpy as np
 import torch
 
+from shared.errors import InvalidRequest
+
 # name -> (torch dtype, little-endian numpy dtype of the same bit pattern)
 _FORMATS: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float32": (torch.float32, np.dtype("<f4")),
@@ -22,8 +24,8 @@ _NAMES = {tdt: name for name, (tdt, _) in _FORMATS.items()}
 _BIT_VIEW = {torch.bfloat16: torch.int16}
 
 
-class TensorFormatError(ValueError):
-    """Bytes, dtype and shape that do not make a tensor."""
+class TensorFormatError(InvalidRequest):
+    """Bytes, dtype and shape that do not make a tensor (a client's error: INVALID_ARGUMENT)."""
 
 
 def encode(t: torch.Tensor) -> tuple[str, list[int], bytes]:

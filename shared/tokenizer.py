@@ -9,8 +9,8 @@ import tempfile
 from typing import Any
 
 from shared.cache_dir import cache_dir
-from shared.engine.sampling_params import InvalidRequest
-from shared.model.loader import file_version, is_gguf
+from shared.errors import InvalidRequest
+from shared.model_files import file_version, is_gguf
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 log = logging.getLogger(__name__)

@@ -2,12 +2,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +11,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # own default ("auto") is bf16 on CPUs with native bf16, tested on its own in tests/integration/test_bf16_serving.py.
 os.environ.setdefault("UPESI_DTYPE", "float32")
 
-ROOT = Path(__file__).resolve().parents[1]
+from shared.testing.stack import INTERNAL, INTERNAL_TOKEN, ROOT, Stack, free_port  # noqa: E402,F401 (for tests)
+
 CHAT_PROMPTS = [
     "Write a short story about a robot learning to paint.",
     "Explain how a hash table works.",
@@ -27,24 +22,9 @@ CHAT_PROMPTS = [
 GREEDY_TOKENS = 48
 
 
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on now, and never one this process gave out before: servers bind seconds later, and
-    gRPC binds with SO_REUSEPORT, so two services handed the same port would share it silently."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
-
-
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    from shared.model.loader import default_model_path
+    from shared.model_files import default_model_path
     return default_model_path()
 
 
@@ -101,40 +81,6 @@ def engine():
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     return LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.25))
-
-
-# The internal token of the stacks tests start (`upesi serve` keeps one it is given), for tests that call internal
-# services directly or add a service to a running stack; `INTERNAL` is the metadata such calls carry.
-INTERNAL_TOKEN = "upesi-tests-internal-token"
-INTERNAL = [("x-upesi-internal-token", INTERNAL_TOKEN)]
-
-
-class Stack:
-    """`upesi serve` on free ports, as a user runs it."""
-
-    def __init__(self, tmp: Path, extra: list[str] | None = None) -> None:
-        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.address = f"127.0.0.1:{self.grpc_port}"
-        self.log = tmp / "serve.log"
-        cmd = [sys.executable, "-m", "services.cli", "serve", "--address", self.address,
-               "--http-port", str(self.http_port), "--target-address", f"127.0.0.1:{free_port()}",
-               "--target-metrics-port", str(self.metrics_port), "--kv-cache-gb", "0.5", *(extra or [])]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     env={"UPESI_INTERNAL_TOKEN": INTERNAL_TOKEN, **os.environ})
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"upesi serve exited early:\n{self.log.read_text()[-3000:]}")
-            if "upesi: serving on" in self.log.read_text():
-                return
-            time.sleep(0.5)
-        raise TimeoutError(self.log.read_text()[-3000:])
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="session")

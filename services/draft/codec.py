@@ -1,12 +1,12 @@
-"""Protobuf <-> the draft's plain objects, for both ends of a Verify stream (the target imports this too)."""
+"""Protobuf <-> the draft's plain objects, for the draft's end of a Verify stream."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from services.draft.proposer_service import SeqDelta
-from shared.engine.proposers import Proposal
-from shared.engine.sampling_params import InvalidRequest, SamplingParams
+from shared import tensor_codec
+from shared.engine.proposal import Proposal
+from shared.sampling_params import SamplingParams
 from upesi.v1 import target_pb2
 
 
@@ -24,8 +24,8 @@ def proposals_to_pb(proposals: list[Proposal], wants_hidden: bool) -> target_pb2
     for tokens, probs, parents in proposals:
         p = out.proposals.add(tokens=tokens, parents=parents or [])
         if probs is not None and tokens:
-            arr = probs.float().contiguous().numpy().astype("<f4", copy=False)
-            p.probs, p.vocab = arr.tobytes(), arr.shape[-1]
+            _, shape, p.probs = tensor_codec.encode(probs.float())
+            p.vocab = shape[-1]
     return out
 
 
@@ -33,21 +33,4 @@ def hidden_from_pb(s: target_pb2.DraftSequence) -> torch.Tensor | None:
     """The hidden states a DraftSequence carries -> [rows, dim] float32, or None."""
     if not s.hidden:
         return None
-    if len(s.hidden) != 4 * s.hidden_rows * s.hidden_dim:
-        raise InvalidRequest(f"hidden has {len(s.hidden)} bytes; expected float32 [{s.hidden_rows}, {s.hidden_dim}]")
-    return torch.from_numpy(np.frombuffer(s.hidden, dtype="<f4").reshape(s.hidden_rows, s.hidden_dim).copy())
-
-
-def hidden_to_pb(hidden: torch.Tensor) -> tuple[bytes, int, int]:
-    """[rows, dim] tensor -> (raw little-endian float32 bytes, rows, dim)."""
-    arr = hidden.detach().float().contiguous().cpu().numpy().astype("<f4", copy=False)
-    return arr.tobytes(), arr.shape[0], arr.shape[1]
-
-
-def probs_from_pb(p: target_pb2.DraftProposal) -> torch.Tensor | None:
-    """q [K, V] of a proposal, or None for point masses."""
-    if not p.probs:
-        return None
-    if len(p.probs) != 4 * len(p.tokens) * p.vocab:
-        raise InvalidRequest(f"probs has {len(p.probs)} bytes; expected float32 [{len(p.tokens)}, {p.vocab}]")
-    return torch.from_numpy(np.frombuffer(p.probs, dtype="<f4").reshape(len(p.tokens), p.vocab).copy())
+    return tensor_codec.decode("float32", (s.hidden_rows, s.hidden_dim), s.hidden)

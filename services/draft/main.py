@@ -22,11 +22,11 @@ async def serve(cfg: DraftConfig) -> None:
     from services.draft.proposer_service import DraftState
     from services.draft.servicer import DraftServicer
     from services.draft.target_link import TargetLinks
-    from shared.engine.config import resolve_device, resolve_dtype, serving_dtype
     from shared import telemetry, torch_thread
-    from shared.engine.proposers import make_proposer
+    from shared.engine.config import resolve_device, resolve_dtype, serving_dtype
     from shared.metrics import serve_metrics
     from shared.rpc.channel import client_tls_from, server_tls_from, set_client_tls
+    from shared.spec.factory import make_proposer
     from upesi.v1 import draft_pb2_grpc
 
     telemetry.setup_tracing("upesi-draft")

@@ -4,8 +4,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.draft.proposer_service import DraftState, SeqDelta
-from shared.engine.proposers import Proposal
-from shared.engine.step_costs import StepCosts
+from shared.engine.proposal import Proposal
 
 PROPOSE_SECONDS = Histogram("upesi_draft_propose_seconds", "Time to propose for one target step (all its sequences)",
                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
@@ -18,12 +17,11 @@ KV_BLOCKS_USED = Gauge("upesi_draft_kv_blocks_used", "KV blocks used by the draf
 OPEN_REQUESTS = Gauge("upesi_draft_requests", "Requests this draft is driving now")
 
 
-def propose(state: DraftState, deltas: list[SeqDelta], released: list[str], step_costs: StepCosts | None = None
-            ) -> list[Proposal]:
+def propose(state: DraftState, deltas: list[SeqDelta], released: list[str]) -> list[Proposal]:
     """DraftState.propose, timed and counted (runs on a worker thread)."""
     BATCH_SEQS.observe(len(deltas))
     with PROPOSE_SECONDS.time():
-        proposals = state.propose(deltas, released, step_costs)
+        proposals = state.propose(deltas, released)
     PROPOSED_TOKENS.inc(sum(len(p.tokens) for p in proposals))
     RELEASED.inc(len(released))
     held(state)

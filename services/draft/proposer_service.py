@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.proposers import Proposal, Proposer
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.proposal import Proposal, Proposer
 from shared.engine.sequence import Sequence
-from shared.engine.step_costs import StepCosts
+from shared.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -46,16 +45,12 @@ class DraftState:
             if seq is not None:
                 self.proposer.release(seq.seq_id)
 
-    def propose(self, deltas: list[SeqDelta], released: list[str], step_costs: StepCosts | None = None
-                ) -> list[Proposal]:
-        """The proposals for one target step; step_costs: that target's step costs by rows (None: not known), for
-        proposers that size draft trees by them."""
+    def propose(self, deltas: list[SeqDelta], released: list[str]) -> list[Proposal]:
+        """The proposals for one target step."""
         with self.lock:
             self._release(released)
             if not deltas:
                 return []
-            if hasattr(self.proposer, "step_costs"):
-                self.proposer.step_costs = step_costs
             seqs = []
             for d in deltas:
                 seq = self.seqs.get(d.key)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from services.draft import metrics
 from services.draft.target_link import TargetLinks
-from shared.engine.sampling_params import InvalidRequest
-from shared.rpc.errors import Forbidden, map_errors
+from shared.errors import Forbidden, InvalidRequest
+from shared.rpc.errors import map_errors
 from upesi.v1 import draft_pb2, draft_pb2_grpc
 
 

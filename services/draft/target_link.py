@@ -17,10 +17,10 @@ from services.draft import metrics
 from services.draft.codec import deltas_from_pb, proposals_to_pb
 from services.draft.proposer_service import DraftState
 from shared import telemetry, torch_thread
-from shared.engine.proposers import NO_PROPOSAL
-from shared.engine.step_costs import StepCosts
+from shared.engine.proposal import NO_PROPOSAL
+from shared.errors import PeerUnavailable
 from shared.rpc.channel import aio_channel, keepalive_options
-from shared.rpc.errors import PeerUnavailable, Relayed
+from shared.rpc.errors import Relayed
 from upesi.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger("upesi.draft.link")
@@ -34,7 +34,6 @@ class TargetLink:
         self.requests: dict[str, asyncio.Queue] = {}                     # request id -> its output
         self.keys: set[str] = set()                                      # sequences this stream mirrors
         self.closed = False
-        self.step_costs: StepCosts | None = None                         # the target's, once it sends them
         self.call = target_pb2_grpc.TargetStub(self.channel).Verify(self._up())
         self.outbox.put_nowait(target_pb2.VerifyUp(hello=target_pb2.VerifyHello(wants_hidden=state.wants_hidden)))
         self.reader = asyncio.get_running_loop().create_task(self._read())
@@ -83,13 +82,11 @@ class TargetLink:
         released = [self._key(k) for k in down.propose.released]
         try:
             deltas = deltas_from_pb(down.propose)
-            if down.propose.step_costs:
-                self.step_costs = StepCosts(list(down.propose.step_costs))    # this target's, for its steps
             for d in deltas:
                 d.key = self._key(d.key)
             self.keys.update(d.key for d in deltas)
             with telemetry.span_from("draft propose", down.traceparent, {"upesi.seqs": len(deltas)}):
-                proposals = await torch_thread.run(metrics.propose, self.state, deltas, released, self.step_costs)
+                proposals = await torch_thread.run(metrics.propose, self.state, deltas, released)
         except Exception:
             log.exception("proposing for %d sequences of %s failed; answering with none", len(down.propose.seqs),
                           self.address)

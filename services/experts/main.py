@@ -21,10 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(cfg: ExpertsConfig) -> None:
     from services.experts.servicer import EXPORTED, ExpertsServicer
     from services.experts.shard import ExpertShard
-    from shared.model.loader import load_config, resolve_model_path
-    from shared.model.placement import load_placement, num_routed_experts
     from shared import telemetry
     from shared.metrics import serve_metrics
+    from shared.model.loader import load_config
+    from shared.model.placement import load_placement, num_routed_experts
+    from shared.model_files import resolve_model_path
     from shared.rpc.channel import server_tls_from
     from upesi.v1 import experts_pb2_grpc
 

@@ -10,7 +10,7 @@ from prometheus_client import Counter, Histogram
 
 from services.experts.shard import ExpertShard
 from shared import tensor_codec
-from shared.engine.sampling_params import InvalidRequest
+from shared.errors import InvalidRequest
 from shared.rpc.errors import map_errors
 from upesi.v1 import experts_pb2, experts_pb2_grpc
 

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.experts import packed
-from shared.engine.sampling_params import InvalidRequest
+from shared.errors import InvalidRequest
 from shared.model.config import ModelConfig
-from shared.model.loader import iter_weights, load_config, resolve_model_path
+from shared.model.loader import iter_weights, load_config
 from shared.model.placement import Placement, Unit, dense_slice, num_routed_experts
+from shared.model_files import resolve_model_path
 from shared.ops.packed_linear import PackedLinear, packable
 
 log = logging.getLogger("upesi.experts")

@@ -35,7 +35,7 @@ import yaml
 
 from services.router.config import RouterConfig
 from services.router.limits import Caller, Limits
-from shared.rpc.errors import Unauthenticated
+from shared.errors import Unauthenticated
 
 _KEY_FIELDS = {"name", "key"}
 

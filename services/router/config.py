@@ -20,6 +20,9 @@ class RouterConfig:
                                               "verification rows cost more than speculation saves); 0 = always")
     registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (default: load only)")
     model: str | None = option(None, "model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)")
+    served_model_name: str | None = option(None, "the model's name in the OpenAI API (/v1/models, the `model` of "
+                                                 "requests and responses); default: the model's file or folder "
+                                                 "name without extension or quantisation suffix")
     max_concurrent_requests: int = option(256, "requests served at once; more get RESOURCE_EXHAUSTED")
     max_n: int = option(16, "largest n (choices per request)")
     max_stop_strings: int = option(16, "most stop strings per request")

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.router.target_client import StepOutput, TargetClient, read_steps, target_request
-from shared.engine.sampling_params import SamplingParams
+from shared.errors import PeerUnavailable
 from shared.rpc.channel import aio_channel, keepalive_options
-from shared.rpc.errors import PeerUnavailable
+from shared.sampling_params import SamplingParams
 from upesi.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("upesi.router.draft")

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 from services.router.auth import KeyTable
 from services.router.config import RouterConfig
-from services.router.limits import Caller
 from services.router.draft_client import DraftClient
+from services.router.limits import Caller
 from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
-from shared.engine.sampling_params import InvalidRequest, SamplingParams
+from shared.errors import Draining, InvalidRequest, Overloaded, PeerUnavailable
 from shared.kv.hashing import cache_extra, hash_chain
 from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad, choose_replica
-from shared.rpc.errors import Draining, Overloaded, PeerUnavailable
+from shared.sampling_params import SamplingParams
 from shared.text_output import ChoiceText
 from shared.tokenizer import Tokenizer
 
@@ -68,8 +68,9 @@ class StreamChunk:
 class Frontend:
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, targets: list[TargetClient], info: TargetInfo,
                  registry: PrefixRegistry | None = None, keys: KeyTable | None = None,
-                 drafts: list[DraftClient] | None = None) -> None:
+                 drafts: list[DraftClient] | None = None, served_model: str | None = None) -> None:
         self.cfg, self.tok, self.targets, self.info, self.registry = cfg, tokenizer, targets, info, registry
+        self.served_model = served_model or (info.model if info else "")   # the model's name in the OpenAI API
         self.drafts = drafts or []
         self.keys = keys or KeyTable.from_config(cfg)     # who may call, with what limits
         self.in_flight = 0

@@ -17,7 +17,7 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": frontend.info.model, "in_flight": frontend.in_flight}
+        return {"status": "ok", "model": frontend.served_model, "in_flight": frontend.in_flight}
 
     @app.get("/metrics")
     async def metrics() -> Response:

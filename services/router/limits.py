@@ -12,8 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from shared.engine.sampling_params import InvalidRequest
-from shared.rpc.errors import Overloaded
+from shared.errors import InvalidRequest, Overloaded
 
 
 @dataclass(frozen=True, slots=True)

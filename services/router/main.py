@@ -23,11 +23,11 @@ async def serve(cfg: RouterConfig) -> None:
     from services.router.http import build_app, start_http
     from services.router.servicer import GenerationServicer, add_to_server
     from services.router.target_client import TargetClient
-    from shared.model.loader import resolve_model_path
-    from shared.registry.factory import open_registry
-    from shared.tokenizer import Tokenizer
     from shared import telemetry
+    from shared.model_files import resolve_model_path, served_name
+    from shared.registry.factory import open_registry
     from shared.rpc.channel import client_tls_from, server_tls_from, set_client_tls
+    from shared.tokenizer import Tokenizer
 
     telemetry.setup_tracing("upesi-router")
     set_client_tls(client_tls_from(cfg))
@@ -35,13 +35,15 @@ async def serve(cfg: RouterConfig) -> None:
     targets = [TargetClient(a.strip()) for a in cfg.target.split(",") if a.strip()]
     if not targets:
         raise ValueError("--target names no address")
-    tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer, resolve_model_path(cfg.model)))
+    model_path = resolve_model_path(cfg.model)
+    tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer, model_path))
     infos = await asyncio.gather(*(t.wait_info(cfg.target_wait_s) for t in targets))
     if len({i.model for i in infos}) > 1:
         raise ValueError(f"the target replicas serve different models: {sorted({i.model for i in infos})}")
     registry = open_registry(cfg.registry) if cfg.registry else None
     drafts = [DraftClient(a) for a in cfg.draft_addresses()]      # connect lazily: a draft may start later
-    frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry, keys, drafts)
+    frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry, keys, drafts,
+                        served_model=cfg.served_model_name or served_name(model_path))
     http = None
 
     async def on_start() -> None:

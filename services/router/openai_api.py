@@ -25,8 +25,8 @@ from starlette.background import BackgroundTask
 
 from services.router.frontend import Frontend, GenerationInput, StreamChunk
 from shared import metrics
-from shared.engine.sampling_params import InvalidRequest
-from shared.rpc.errors import PeerUnavailable, Unauthenticated, status_for
+from shared.errors import InvalidRequest, PeerUnavailable, Unauthenticated
+from shared.rpc.errors import status_for
 
 log = logging.getLogger("upesi.router.http")
 T = TypeVar("T")
@@ -317,7 +317,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
     started = int(time.time())
 
     def card() -> dict:
-        return {"id": frontend.info.model, "object": "model", "created": started, "owned_by": "upesi"}
+        return {"id": frontend.served_model, "object": "model", "created": started, "owned_by": "upesi"}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -329,7 +329,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
 
     def unknown(model: str) -> ApiError:
         return ApiError(Code.NOT_FOUND, f"the model {model!r} does not exist; this server serves "
-                        f"{frontend.info.model!r}", param="model", code="model_not_found")
+                        f"{frontend.served_model!r}", param="model", code="model_not_found")
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> JSONResponse:
@@ -337,7 +337,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             frontend.keys.authenticate(request.headers.get("authorization"))
         except Unauthenticated as e:
             return error_response(e)[1]
-        if model_id == frontend.info.model:
+        if model_id == frontend.served_model:
             return JSONResponse(card())
         return error_response(unknown(model_id))[1]
 
@@ -345,11 +345,11 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
         try:
             caller = frontend.keys.authenticate(request.headers.get("authorization"))    # no body read before
             req = parse(kind, await _read_body(request, frontend.cfg.max_request_bytes))
-            if req.model is not None and req.model != frontend.info.model:
+            if req.model is not None and req.model != frontend.served_model:
                 raise unknown(req.model)
             inp = generation_input(req, frontend.info.vocab_size)
             chat = kind is ChatRequest
-            reply = _Reply(chat, frontend.info.model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                            int(time.time()))
             n = inp.n or 1
             # An async generator (closed to cancel); no deadline: HTTP clients time out on their own.

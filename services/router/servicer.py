@@ -8,7 +8,7 @@ import grpc
 from services.router.frontend import Frontend, GenerationInput, StreamChunk
 from services.router.limits import Caller
 from shared import metrics
-from shared.engine.sampling_params import InvalidRequest
+from shared.errors import InvalidRequest
 from shared.rpc.errors import map_errors, status_for
 from upesi.v1 import generation_pb2, generation_pb2_grpc
 

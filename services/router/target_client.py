@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from shared.engine.sampling_params import SamplingParams
+from shared.errors import PeerUnavailable
 from shared.rpc.channel import ClientTLS, aio_channel
-from shared.rpc.errors import PeerUnavailable
+from shared.sampling_params import SamplingParams
 from upesi.v1 import target_pb2, target_pb2_grpc
 
 

@@ -4,9 +4,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
-from shared.engine.config import (DTYPE_HELP, EngineConfig, check_draft_confidence, check_dtype,
-                                  check_speculative_max_seqs, check_tree_shape, check_wide_threads,
-                                  resolve_device, serving_dtype)
+from shared.engine.config import (
+    DTYPE_HELP,
+    EngineConfig,
+    check_draft_confidence,
+    check_dtype,
+    check_speculative_max_seqs,
+    check_tree_shape,
+    check_wide_threads,
+    resolve_device,
+    serving_dtype,
+)
 
 
 @dataclass(slots=True)
@@ -44,14 +52,6 @@ class TargetConfig:
                                                 "per depth, up to K depths, verified in one pass) of this many "
                                                 "nodes per step, shared by the step's greedy sequences; 0 = chains "
                                                 "of K (default: the head's own, from eagle.json)")
-    draft_tree_costs: bool = option(False, "eagle trees (local, or of a draft service on a Verify stream) keep "
-                                           "only the best nodes that pay for their rows: the target measures its "
-                                           "step's forward time by rows once, at its first speculative step, and "
-                                           "a tree's size maximises expected tokens per forward cost (where rows "
-                                           "cost, as fp32 on a CPU without bf16, trees shrink or vanish; the "
-                                           "model leaves out the drafting and other fixed costs of a step, so it "
-                                           "shrinks trees too much: off by default); false: always "
-                                           "--draft-tree-nodes")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
     draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
                                          "Verify stream; past it those requests decode without drafts for 5 s")
@@ -108,4 +108,4 @@ class TargetConfig:
                             adaptive_speculation=self.adaptive_speculation,
                             speculative_max_seqs=self.speculative_max_seqs,
                             draft_confidence=self.draft_confidence, draft_tree_nodes=self.draft_tree_nodes,
-                            draft_tree_costs=self.draft_tree_costs, nvfp4_act_quant=self.nvfp4_act_quant)
+                            nvfp4_act_quant=self.nvfp4_act_quant)

@@ -11,6 +11,7 @@ from shared.config import add_config_arguments, config_from_args
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import LLMEngine
 from shared.rpc.server import Service, run_server
+from shared.spec.factory import build_engine
 
 log = logging.getLogger("upesi.target")
 
@@ -77,7 +78,7 @@ def _attach_expert_shards(cfg: TargetConfig, engine: LLMEngine):
     if not cfg.expert_addresses():
         return None
     from shared.model.placement import load_placement, num_routed_experts
-    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
 
     addresses, model = cfg.expert_addresses(), engine.runner.model
     placement = load_placement(cfg.expert_placement, len(addresses), num_routed_experts(engine.model_cfg))
@@ -94,7 +95,7 @@ def _start_rebalancer(cfg: TargetConfig, client):
     """Replicates hot experts while serving (--rebalance-interval-s), on its own thread; None when off."""
     if client is None or not cfg.rebalance_interval_s:
         return None
-    from shared.model.rebalance import Rebalancer
+    from shared.shards.rebalance import Rebalancer
     return Rebalancer(client, cfg.rebalance_interval_s, cfg.rebalance_threshold, cfg.rebalance_extra).start()
 
 
@@ -109,7 +110,7 @@ async def serve(cfg: TargetConfig) -> None:
     attached: list = []
 
     def build() -> LLMEngine:                        # on the engine thread, which runs every step after
-        engine = LLMEngine(cfg.engine_config())
+        engine = build_engine(cfg.engine_config())
         attached.append(_attach_expert_shards(cfg, engine))
         return engine
     engine_cls = TracedAsyncEngine if telemetry.ENABLED else AsyncEngine

@@ -8,9 +8,10 @@ import grpc
 
 from services.target.verify import Relays, StreamProposer, delta_to_pb
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.proposer_mux import ProposerMux
-from shared.engine.sampling_params import InvalidRequest, SamplingParams
-from shared.rpc.errors import NotRunning, map_errors, status_for
+from shared.errors import InvalidRequest, NotRunning
+from shared.rpc.errors import map_errors, status_for
+from shared.sampling_params import SamplingParams
+from shared.spec.proposer_mux import ProposerMux
 from upesi.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger("upesi.target")

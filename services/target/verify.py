@@ -24,15 +24,13 @@ from collections.abc import Callable
 
 import torch
 
-from services.draft.codec import hidden_to_pb, probs_from_pb
-from shared import telemetry
+from shared import telemetry, tensor_codec
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.proposer_mux import ProposerMux
-from shared.engine.proposers import NO_PROPOSAL, Proposal
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.proposal import NO_PROPOSAL, Proposal
 from shared.engine.sequence import Sequence
-from shared.engine.step_costs import StepCosts
-from shared.engine.tree import MAX_TREE_NODES, check_tree, depths
+from shared.sampling_params import SamplingParams
+from shared.spec.proposer_mux import ProposerMux
+from shared.tree import MAX_TREE_NODES, check_tree, depths
 from upesi.v1 import target_pb2
 
 log = logging.getLogger("upesi.target.verify")
@@ -55,8 +53,6 @@ class StreamProposer:
         self.hidden: dict[int, tuple[int, list[torch.Tensor]]] = {}   # seq_id -> (first position, [M, D] pieces)
         self.step = 0
         self.waiting: tuple[int, concurrent.futures.Future] | None = None
-        self.step_costs: StepCosts | None = None   # the engine's, sent once to the draft (it sizes trees by them)
-        self.costs_sent = False
 
     def _send(self, msg: target_pb2.VerifyDown) -> None:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, msg)
@@ -71,9 +67,6 @@ class StreamProposer:
         if not self.alive or time.monotonic() < self.down_until:
             return lambda: none
         req = target_pb2.ProposeRequest()
-        if self.step_costs is not None and not self.costs_sent:
-            req.step_costs.extend(self.step_costs.costs)
-            self.costs_sent = True
         for s, k in zip(seqs, ks):
             base = min(self.sent.get(s.seq_id, 0), len(s.token_ids))
             p = s.params
@@ -82,7 +75,7 @@ class StreamProposer:
                                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
             pending = self.hidden.pop(s.seq_id, None)
             if pending is not None:
-                msg.hidden, msg.hidden_rows, msg.hidden_dim = hidden_to_pb(torch.cat(pending[1]))
+                _, (msg.hidden_rows, msg.hidden_dim), msg.hidden = tensor_codec.encode(torch.cat(pending[1]).float())
                 msg.hidden_start = pending[0]
         self.step += 1
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -108,7 +101,6 @@ class StreamProposer:
                 self.down_until = time.monotonic() + self.retry_after_s
             self.sent.clear()                     # re-send whole sequences when it answers again
             self.hidden.clear()
-            self.costs_sent = False
             return none
         out = []
         for s, k, prop in zip(seqs, ks, resp.proposals):
@@ -122,7 +114,7 @@ class StreamProposer:
         tokens = list(prop.tokens) if prop.parents else list(prop.tokens)[:k]
         v = self.vocab_size
         try:
-            q = probs_from_pb(prop)
+            q = tensor_codec.decode("float32", (len(prop.tokens), prop.vocab), prop.probs) if prop.probs else None
         except ValueError as e:
             log.warning("dropping a malformed proposal: %s", e)
             return NO_PROPOSAL

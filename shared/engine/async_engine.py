@@ -16,13 +16,10 @@ from collections.abc import AsyncIterator
 from typing import Callable
 
 from shared.engine.engine import Delta, LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.errors import EngineDead
+from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped; maps to UNAVAILABLE."""
 
 
 class AsyncEngine:

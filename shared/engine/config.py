@@ -1,13 +1,12 @@
 """The engine's own settings (the target service's config carries them)."""
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass
 
 import torch
 
-from shared.engine.tree import MAX_TREE_NODES
+from shared.ops.cpu_features import cpu_has_native_bf16
+from shared.tree import MAX_TREE_NODES
 
 
 @dataclass(slots=True)
@@ -31,7 +30,6 @@ class EngineConfig:
     speculative_max_seqs: int = 0         # speculate only while at most this many sequences run (0 = always)
     draft_confidence: float | None = None  # eagle: stop drafting below this path probability (None = the head's)
     draft_tree_nodes: int | None = None   # eagle: tree nodes per step for greedy rows (None = the head's, 0 = chains)
-    draft_tree_costs: bool = False        # eagle trees keep the nodes that pay for their rows, by measured step costs
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 
@@ -114,21 +112,3 @@ def serving_dtype(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     return "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (Linux; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (the avx512_bf16 or amx_bf16 flag)."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

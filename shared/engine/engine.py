@@ -16,19 +16,20 @@ from shared import telemetry
 from shared.engine.beam import BeamGroup
 from shared.engine.config import WIDE_ROWS, EngineConfig
 from shared.engine.model_runner import ModelRunner
-from shared.engine.proposers import make_proposer
+from shared.engine.proposal import ProposerFactory
 from shared.engine.rejection import verify_greedy, verify_sampled
 from shared.engine.sampler import probs_from_logits, sample
-from shared.engine.sampling_params import InvalidRequest, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
-from shared.engine.step_costs import ROWS, StepCosts, measure
-from shared.engine.tree import compaction, depths, is_chain, walk_greedy
+from shared.errors import InvalidRequest
 from shared.kv.block_manager import BlockManager
 from shared.kv.hashing import cache_extra
-from shared.model.loader import load_config, resolve_model_path
+from shared.model.loader import load_config
 from shared.model.registry import build_model
+from shared.model_files import resolve_model_path
 from shared.quant.model_quant import set_act_quant
+from shared.sampling_params import SamplingParams
+from shared.tree import compaction, depths, is_chain, walk_greedy
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Delta:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, make_proposer: ProposerFactory | None = None) -> None:
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -65,10 +66,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
-        self.proposer = make_proposer(cfg.speculative, cfg.draft_kv_blocks, cfg.block_size, dtype, device,
-                                      self.max_model_len, target=model,
-                                      draft_confidence=cfg.draft_confidence,
-                                      draft_tree_nodes=cfg.draft_tree_nodes) if cfg.speculative else None
+        if cfg.speculative and make_proposer is None:
+            raise ValueError(f"speculative={cfg.speculative!r} needs a proposer factory: build the engine with "
+                             "shared.spec.factory.build_engine")
+        self.proposer = make_proposer(cfg, model, self.max_model_len) if cfg.speculative and make_proposer else None
         self.requests: dict[str, list[Sequence]] = {}
         self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
         self.beam_groups: dict[str, BeamGroup] = {}              # request id -> its beam search
@@ -77,7 +78,6 @@ class LLMEngine:
         self.tree_paths: dict[int, list[int]] = {}               # seq_id -> this step's accepted tree nodes
         self._step_ns = 0                                        # tracing: when this step began
         self.last_step_s = 0.0
-        self.costs_measured = False                              # step costs by rows, for draft trees
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -261,9 +261,6 @@ class LLMEngine:
                     ks.append(k)
         if not seqs:
             return
-        if self.cfg.draft_tree_costs and not self.costs_measured and hasattr(self.proposer, "step_costs"):
-            self.costs_measured = True               # once: trees then keep the nodes worth their rows
-            self.proposer.step_costs = self.measure_step_costs()
         with telemetry.span_in("propose", telemetry.traced_contexts(seqs), {"upesi.seqs": len(seqs)}):
             proposals = self.proposer.propose(seqs, ks)
         for seq, (tokens, probs, parents) in zip(seqs, proposals):
@@ -378,27 +375,6 @@ class LLMEngine:
                 for seq in seqs:
                     self.proposer.release(seq.seq_id)
             self.pending_forks.pop(seqs[0].seq_id, None)
-
-    def measure_step_costs(self, max_rows: int = 17) -> StepCosts | None:
-        """The wall time of forward steps (with logits) by rows, relative to one row (shared.engine.step_costs), on
-        the threads serving steps use; None where the free KV blocks cannot hold a scratch sequence."""
-        vocab = self.model_cfg.vocab_size
-        rows_max = max(max_rows, (self.cfg.draft_tree_nodes or 0) + 1)
-        tokens = [(7 * i + 3) % vocab for i in range(rows_max)]
-
-        def forward(rows: int) -> None:
-            with self._step_threads(rows):
-                logits = self.score(tokens[:rows], cache_salt="upesi step costs")   # no request shares its blocks
-            if logits.is_cuda:
-                torch.cuda.synchronize()
-        try:
-            costs = measure(forward, rows_max)
-        except InvalidRequest:
-            log.warning("no free KV blocks to measure step costs: draft trees keep their configured size")
-            return None
-        log.info("step cost by rows (relative to one): %s", ", ".join(f"{r}: {costs(r):.2f}" for r in ROWS
-                                                                       if r <= rows_max))
-        return costs
 
     # ---------------------------------------------------------------- offline API
     @torch.inference_mode()

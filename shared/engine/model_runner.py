@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from shared.engine.scheduler import ScheduledBatch
-from shared.engine.tree import ancestor_mask, depths
 from shared.model.config import ModelConfig
 from shared.ops.paged_attention import AttentionMetadata
+from shared.tree import ancestor_mask, depths
 
 
 def kv_cache_layout(model: torch.nn.Module | None, cfg: ModelConfig) -> tuple[int, int, bool]:
@@ -140,7 +140,7 @@ class ModelRunner:
     @torch.inference_mode()
     def move_kv(self, table: list[int], moves: list[tuple[int, int]]) -> None:
         """Moves KV between token indices of one sequence (its block table), every layer: (from, to) pairs, all
-        read before any is written (a draft tree's accepted path closing up, shared.engine.tree.compaction)."""
+        read before any is written (a draft tree's accepted path closing up, shared.tree.compaction)."""
         if not moves:
             return
         bs = self.block_size

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
@@ -43,7 +43,7 @@ class Sequence:
         self.cache_extra = cache_extra           # model + cache salt, part of every block hash
         self.spec_tokens: list[int] = []         # draft tokens appended provisionally, verified next step
         self.spec_probs = None                   # their draft probabilities q [K, V], None for point masses
-        self.spec_parents: list[int] | None = None   # a draft tree's parent indices (shared.engine.tree); None: chain
+        self.spec_parents: list[int] | None = None   # a draft tree's parent indices (shared.tree); None: chain
         self.spec_k = 0                          # adaptive number of tokens to propose (0 = not decided yet)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -16,12 +16,25 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NewType
+from typing import NewType, Protocol
 
-from shared.engine.sequence import Sequence
 from shared.kv.hashing import BlockHash, hash_chain
 
 BlockId = NewType("BlockId", int)
+
+
+class Sequence(Protocol):
+    """What the block manager reads and keeps on a sequence (shared.engine.sequence.Sequence is one)."""
+    token_ids: list[int]
+    block_table: list[int]                 # block ids holding the sequence's tokens, in order
+    block_hashes: list[int]                # hashes of its full blocks
+    num_computed_tokens: int
+    num_cached_tokens: int
+    num_committed_blocks: int
+    cache_extra: bytes
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 class BlockManager:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from shared.registry.base import BlockHash
+from typing import NewType
+
+BlockHash = NewType("BlockHash", int)  # 64-bit content hash of one full KV block (chained through its parent)
 
 ROOT = BlockHash(0)
 

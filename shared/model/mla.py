@@ -23,8 +23,8 @@ from torch import nn
 
 from shared.model.config import ModelConfig
 from shared.model.llama import KVCache, RMSNorm
-from shared.model.rope import apply_rope, rope_tables
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
+from shared.ops.rope import apply_rope, rope_tables
 
 LATENT_NORM_EPS = 1e-6          # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps (as HF)
 

@@ -16,9 +16,9 @@ from torch import nn
 from shared.model.config import ModelConfig
 from shared.model.llama import Attention, DecoderLayer, KVCache, RMSNorm
 from shared.model.moe import MoEBlock, MoECausalLM, RoutingConfig, reject_sliding_window
-from shared.model.rope import apply_rope
 from shared.ops.attention import paged_attention
 from shared.ops.paged_attention import AttentionMetadata, write_kv
+from shared.ops.rope import apply_rope
 
 
 class QKVBiasAttention(Attention):

@@ -12,8 +12,8 @@ from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import iter_weights, load_config
 from shared.model.mixtral import MixtralForCausalLM
 from shared.model.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from shared.model.rope import rope_tables
 from shared.ops.packed_linear import pack_linears
+from shared.ops.rope import rope_tables
 from shared.quant.model_quant import apply_quantization
 
 ARCHITECTURES: dict[str, Callable[[ModelConfig, int], nn.Module]] = {

@@ -70,9 +70,9 @@ def available() -> bool:
 def _agrees() -> bool:
     """A step of a decode, a 5-token chain and a 3-node draft tree over 2 KV heads x 2 query heads each, fp32: the
     kernel's attention within 1e-5 of the reference and its RoPE + store equal to apply_rope + write_kv."""
-    from shared.model.rope import apply_rope
     from shared.ops.paged_attention import paged_attention_ref, write_kv
-    from shared.engine.tree import ancestor_mask
+    from shared.ops.rope import apply_rope
+    from shared.tree import ancestor_mask
     g = torch.Generator().manual_seed(0)
     nb, bs, kvh, h, dh = 8, 4, 2, 4, 16
     kc, vc = torch.randn(nb, bs, kvh, dh, generator=g), torch.randn(nb, bs, kvh, dh, generator=g)

@@ -10,7 +10,7 @@ Token order in a step: the sequences with exactly one new token (decodes) come f
 the sequences with several new tokens (prefill chunks, later speculative verification), contiguous.
 New token j of sequence b sits at position seq_lens[b] - query_lens[b] + j and attends causally to every
 cached position up to and including its own; a draft tree being verified attends as its mask says instead
-(meta.tree_masks, shared.engine.tree).
+(meta.tree_masks, shared.tree).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class AttentionMetadata:
     query_lens: list[int]             # host copies, used to split the work on CPU
     seq_lens_host: list[int]
     max_query_len: int
-    # Draft trees being verified (shared.engine.tree): sequence index -> [Q, Q] bool mask among its new tokens
+    # Draft trees being verified (shared.tree): sequence index -> [Q, Q] bool mask among its new tokens
     # (row j may attend to new token i); those rows attend to the whole cached context and to the masked new tokens
     # instead of causally. Empty for plain steps.
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)

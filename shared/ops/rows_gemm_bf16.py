@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.engine.config import cpu_flags
 from shared.ops import c_build
+from shared.ops.cpu_features import cpu_flags
 from shared.ops.rows_gemm import RowsWeight
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The prefix-block registry: which target replica holds which full KV block, and how busy each replica is.
 
-The registry is an eventually consistent *index* (DESIGN.md section 4): each replica's block manager stays the
+The registry is an eventually consistent *index* (docs/architecture.md): each replica's block manager stays the
 authority on its own blocks, publishes what it stores and evicts through a `BlockPublisher` (batched, off the per-token
 path), and heartbeats a lease; the router reads the index through `lookup` and picks a replica with `choose_replica`.
 Losing the index never stops serving: routing falls back to load, and publishers re-register their full sets later.
@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
-BlockHash = NewType("BlockHash", int)  # 64-bit content hash of one full KV block (chained through its parent)
+from shared.kv.hashing import BlockHash
+
 ReplicaId = NewType("ReplicaId", str)  # a target replica's stable name, e.g. its gRPC address "target-0:50052"
 
 DEFAULT_LEASE_S = 10.0

@@ -9,40 +9,18 @@ from collections.abc import Callable
 
 import grpc
 
-from shared.engine.async_engine import EngineDead
-from shared.engine.sampling_params import InvalidRequest
+from shared.errors import (
+    Draining,
+    EngineDead,
+    Forbidden,
+    InvalidRequest,
+    NotRunning,
+    Overloaded,
+    PeerUnavailable,
+    Unauthenticated,
+)
 
 log = logging.getLogger("upesi.rpc")
-
-
-class Overloaded(RuntimeError):
-    """Too many requests in flight; maps to RESOURCE_EXHAUSTED."""
-
-
-class Unauthenticated(RuntimeError):
-    """No API key, or a wrong one, where the server requires one; maps to UNAUTHENTICATED (HTTP 401)."""
-
-    def __init__(self, message: str, missing: bool = False) -> None:
-        super().__init__(message)
-        self.missing = missing                      # no key at all (OpenAI's body then has no error code)
-
-
-class PeerUnavailable(RuntimeError):
-    """A service this one depends on cannot be reached; maps to UNAVAILABLE."""
-
-
-class Draining(RuntimeError):
-    """This service is shutting down (SIGTERM): in-flight work finishes, new work is refused; maps to UNAVAILABLE
-    (HTTP 503), which clients retry elsewhere."""
-
-
-class NotRunning(LookupError):
-    """A request id this service does not run (an attach to a request that ended or never began); NOT_FOUND."""
-
-
-class Forbidden(PermissionError):
-    """A request this service may not carry out for the caller (a target outside the draft's allow-list);
-    PERMISSION_DENIED."""
 
 
 class Relayed(RuntimeError):

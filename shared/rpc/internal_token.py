@@ -3,9 +3,9 @@
 The router's public port is for clients (API keys, services/router/auth.py). The target, draft and expert-shard
 ports are internal: with `UPESI_INTERNAL_TOKEN` set in their environment they refuse, with UNAUTHENTICATED, every
 call that does not carry the same token in its `x-upesi-internal-token` metadata, except health checks, reflection
-and the read-only status calls in OPEN_METHODS. Every channel a service makes (shared.rpc.channel) sends the token of its
-own environment. `upesi serve` generates a token at start for the services it launches; deployments that start the
-services one by one give them all the same value. mTLS (shared.rpc.channel) is the stronger alternative across
+and the read-only status calls in OPEN_METHODS. Every channel a service makes (shared.rpc.channel) sends the token
+of its own environment. `upesi serve` generates a token at start for the services it launches; deployments that
+start the services one by one give them all the same value. mTLS (shared.rpc.channel) is the stronger alternative across
 hosts; the token also holds where TLS is off.
 """
 from __future__ import annotations

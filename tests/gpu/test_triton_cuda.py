@@ -18,12 +18,12 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("unset TRITON_INTERPRET to run the compiled kernels", allow_module_level=True)
 
-from shared.engine.tree import ancestor_mask  # noqa: E402
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref  # noqa: E402
 from shared.ops.paged_attention_triton import paged_attention_triton  # noqa: E402
 from shared.quant.nvfp4 import NVFP4Weight, quantise_weight  # noqa: E402
 from shared.quant.nvfp4_linear import nvfp4_linear  # noqa: E402
 from shared.quant.nvfp4_triton import nvfp4_matmul  # noqa: E402
+from shared.tree import ancestor_mask  # noqa: E402
 from tests.paged_batches import MIXED, SHARE, make_batch, random_parents  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -119,7 +119,7 @@ def test_engine_on_cuda_matches_transformers(tmp_path, dtype: str) -> None:
     sequences) against transformers on the same GPU: logits of a 150-token prompt, and greedy tokens in fp32."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     from tests.parity.test_tiny_llama import save_tiny
 
     ref = save_tiny(tmp_path, None).to(CUDA, getattr(torch, dtype))

@@ -9,8 +9,9 @@ import torch
 from services.draft.config import DraftConfig
 from services.launcher import ServeConfig
 from services.target.config import TargetConfig
-from shared.engine.config import EngineConfig, cpu_has_native_bf16, serving_dtype
+from shared.engine.config import EngineConfig, serving_dtype
 from shared.engine.engine import LLMEngine
+from shared.ops.cpu_features import cpu_has_native_bf16
 from tests.conftest import CHAT_PROMPTS, ROOT, Stack
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
+from shared.spec.factory import build_engine
 from tests.conftest import free_port
 from tests.integration.test_speculative_stack import spawn, wait_healthy
 from tests.parity.test_speculative import PROMPTS
@@ -25,8 +25,8 @@ K, TOKENS = 3, 24
 
 @pytest.fixture(scope="module")
 def tiny_with_head(tmp_path_factory):
-    from shared.engine.eagle import EagleHead, head_config_for
     from shared.model.loader import load_config
+    from shared.spec.eagle import EagleHead, head_config_for
     path = tmp_path_factory.mktemp("tiny-eagle")
     save_tiny(path, None)
     torch.manual_seed(1)
@@ -39,8 +39,8 @@ def tiny_with_head(tmp_path_factory):
 def in_process(tiny: str, head: str | None, tree: int = 0) -> list[tuple[list[int], int, int]]:
     """Per prompt, one at a time: (tokens, drafted, accepted)."""
     kw = dict(model=tiny, progress=False, num_kv_blocks=128, block_size=4, num_speculative_tokens=K,
-              draft_tree_nodes=tree, draft_tree_costs=False)        # trees of `tree` nodes, as in the service
-    eng = LLMEngine(EngineConfig(speculative=f"eagle:{head}" if head else None, **kw))
+              draft_tree_nodes=tree)        # trees of `tree` nodes, as in the service
+    eng = build_engine(EngineConfig(speculative=f"eagle:{head}" if head else None, **kw))
     out = []
     for p in PROMPTS:
         d0, a0 = eng.stats_draft, eng.stats_accepted
@@ -60,7 +60,6 @@ def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp
                     "--draft-tree-nodes", str(tree)], log),
              spawn(["target", "--address", target, "--model", tiny, "--device", "cpu", "--num-kv-blocks", "128",
                     "--block-size", "4", "--num-speculative-tokens", str(K), "--metrics-port", "0",
-                    "--draft-tree-costs", "false",
                     "--progress", "false"], log)]
     remote = []
     try:

@@ -24,9 +24,8 @@ import pytest
 import torch
 
 from tests.conftest import CHAT_PROMPTS, INTERNAL, ROOT, Stack, free_port
-from upesi.v1 import experts_pb2, experts_pb2_grpc, target_pb2, target_pb2_grpc
+from upesi.v1 import experts_pb2, experts_pb2_grpc, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from upesi.v1 import generation_pb2 as pb
-from upesi.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +78,7 @@ def stub(stack):
 @pytest.fixture(scope="module")
 def reference(engine, chat_prompt_ids) -> list[list[int]]:
     """The in-process engine's greedy continuations of the first two chat prompts."""
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     return [o[0] for o in engine.generate(chat_prompt_ids[:2], SamplingParams(temperature=0, max_tokens=TOKENS))]
 
 
@@ -225,11 +224,11 @@ def _start_shard(model: str, index: int, n: int, address: str, placement: str, l
 def test_routed_experts_on_shards_equal_local_with_replicas_fail_over_and_rebalancing(tmp_path):
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.errors import PeerUnavailable
     from shared.model.placement import Placement
-    from shared.model.rebalance import replicate_hot
-    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
-    from shared.rpc.errors import PeerUnavailable
+    from shared.sampling_params import SamplingParams
+    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.rebalance import replicate_hot
     from tests.parity.test_moe_families import save_tiny
 
     save_tiny(tmp_path, "deepseek_v3")                   # layer 0 dense; layers 1, 2: 8 routed + 1 shared expert

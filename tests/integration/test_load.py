@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench.load_run import run_load
+from shared.testing.load_run import run_load
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The four MoE families with their FFNs on real `upesi experts` processes, 2 and 3 shards: greedy generation of 32
-tokens equals transformers' `generate` on the same tiny checkpoint (tests/moe_checkpoints.py).
+tokens equals transformers' `generate` on the same tiny checkpoint (shared/testing/moe_checkpoints.py).
 
 The target is the in-process engine (the same classes `upesi target` runs) with `attach_expert_shards`, so the local
 FFN weights are freed and every routed expert (and every dense FFN, split by neurons) is computed by the shard
@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
+from shared.testing.moe_checkpoints import FAMILIES, PROMPTS, hf_greedy, save_tiny, start_shard, stop_all
 from tests.conftest import free_port
-from tests.moe_checkpoints import FAMILIES, PROMPTS, hf_greedy, save_tiny, start_shard, stop_all
 
 pytestmark = pytest.mark.slow
 SHARDS = (2, 3)
@@ -44,9 +44,9 @@ def families(tmp_path_factory):
 def test_greedy_through_expert_shards_equals_transformers(families, family, n):
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
     from shared.model.placement import Placement, num_routed_experts
-    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.sampling_params import SamplingParams
+    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
 
     path, addresses, expect = families[family]
     eng = LLMEngine(EngineConfig(model=path, progress=False, num_kv_blocks=64))

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.convert.quantize import quantize
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
 from shared.quant.nvfp4_module import FP8Linear, NVFP4Linear
-from shared.quant.quantize import quantize
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from shared.testing.moe_checkpoints import PROMPTS, free_port_run, save_tiny, save_tokenizer, start_shard, stop_all
 from tests.conftest import free_port
-from tests.moe_checkpoints import PROMPTS, free_port_run, save_tiny, save_tokenizer, start_shard, stop_all
 
 pytestmark = pytest.mark.slow
 TOKENS = 32
@@ -60,13 +60,13 @@ def expected_shard_bytes(path: str, shard: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("act_quant", [False, True], ids=["W4A16", "W4A4"])
 def test_quantised_moe_through_two_shards_equals_in_process(source, tmp_path, act_quant):
+    from shared.convert.quantize import quantize
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
     from shared.model.placement import Placement
-    from shared.model.remote_ffn import ExpertsClient, attach_expert_shards, ffn_kinds
     from shared.quant.nvfp4_module import FP8Linear, NVFP4Linear
-    from shared.quant.quantize import quantize
+    from shared.sampling_params import SamplingParams
+    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
 
     out = str(tmp_path / "quantised")
     result = quantize(str(source / "src"), out, policy=str(source / "policy.json"), act_quant=act_quant,
@@ -109,10 +109,10 @@ def test_quantised_moe_through_two_shards_equals_in_process(source, tmp_path, ac
 def test_upesi_serve_passes_act_quant_to_target_and_shards(source, tmp_path):
     import grpc
 
+    from shared.convert.quantize import quantize
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
-    from shared.quant.quantize import quantize
+    from shared.sampling_params import SamplingParams
     from tests.conftest import Stack
     from upesi.v1 import generation_pb2 as pb
     from upesi.v1 import generation_pb2_grpc

@@ -223,8 +223,7 @@ def test_a_client_hanging_up_cancels_the_generation(stack, stream):
 
 def test_every_exception_maps_to_an_openai_error():
     from services.router.openai_api import error_body
-    from shared.engine.sampling_params import InvalidRequest
-    from shared.rpc.errors import Overloaded, PeerUnavailable
+    from shared.errors import InvalidRequest, Overloaded, PeerUnavailable
     down = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
     for exc, status in [(InvalidRequest("bad"), 400), (Overloaded("busy"), 429), (PeerUnavailable("down"), 503),
                         (down, 503), (RuntimeError("secret detail"), 500)]:

@@ -18,8 +18,8 @@ import urllib.request
 import grpc
 import pytest
 
+from shared.testing.moe_checkpoints import PROMPTS, save_tiny, start_shard, stop_all
 from tests.conftest import ROOT, free_port
-from tests.moe_checkpoints import PROMPTS, save_tiny, start_shard, stop_all
 from upesi.v1 import experts_pb2, experts_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def _slots(shards) -> list[int]:
 def test_rebalancer_replicates_hot_experts_and_evens_the_shards_load(tmp_path):
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     path = str(tmp_path / "ds")
     save_tiny(path, "deepseek_v3_skewed")

@@ -117,8 +117,28 @@ def test_health_reflection_and_http(stack):
 
 
 def test_beam_search_through_the_stack_equals_in_process(stub, engine, chat_prompt_ids):
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     r = stub.Generate(chat(CHAT_PROMPTS[3], max_tokens=12, temperature=0, beam_width=3), timeout=120)
     local = engine.generate([chat_prompt_ids[3]], SamplingParams(temperature=0, max_tokens=12, beam_width=3))[0][0]
     assert list(r.choices[0].token_ids) == local
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_upesi_generate_prints_the_answer_then_its_usage(stack):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--address", stack.address,
+                          "--max-tokens", "12", "Name three colours."], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and out.stdout.endswith("\n") and not out.stdout.startswith("\n")
+    assert out.stderr.strip().splitlines()[-1].endswith("completion tokens]")
+    assert not out.stderr.startswith("\n")
+
+
+def test_the_openai_api_serves_a_clean_model_name(stack):
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/v1/models", timeout=30) as r:
+        models = json.load(r)["data"]
+    assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]

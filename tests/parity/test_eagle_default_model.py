@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.proposers import make_proposer
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
+from shared.spec.factory import make_proposer
 from tests.conftest import ROOT
 
 HEAD = ROOT / "models" / "eagle-smollm2-135m"

@@ -7,9 +7,8 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
-
-from tests.moe_checkpoints import FAMILIES, hf_greedy, save_tiny  # noqa: F401 - save_tiny is imported from here too
+from shared.sampling_params import SamplingParams
+from shared.testing.moe_checkpoints import FAMILIES, hf_greedy, save_tiny  # noqa: F401 (save_tiny: used by others)
 
 
 def _engine(path):

@@ -7,7 +7,8 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
+from shared.spec.factory import build_engine
 from tests.parity.test_tiny_llama import save_tiny
 
 PROMPTS = [torch.randint(1, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -24,8 +25,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_eagle(tiny):
     """A random EAGLE head for the tiny target (reduced vocab of 48 of its 96 tokens)."""
-    from shared.engine.eagle import EagleHead, head_config_for
     from shared.model.loader import load_config
+    from shared.spec.eagle import EagleHead, head_config_for
     torch.manual_seed(0)
     head = EagleHead(head_config_for(load_config(tiny), 48))
     head.id_map = torch.randperm(96)[:48].sort().values
@@ -49,7 +50,7 @@ def tiny_eagle_ngram(tiny_eagle):
 
 @pytest.fixture(scope="module")
 def greedy_ref(tiny):
-    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4))
+    eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4))
     return [o[0] for o in eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
 
 
@@ -58,8 +59,8 @@ def greedy_ref(tiny):
 def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, tiny_eagle_ngram, greedy_ref, proposer, k):
     spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}", "eagle": f"eagle:{tiny_eagle}",
             "eagle-tree": f"eagle:{tiny_eagle}", "eagle-tree-ngram": f"eagle:{tiny_eagle_ngram}"}[proposer]
-    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
-                                 num_speculative_tokens=k, draft_tree_costs=False,   # trees of 6 (see below)
+    eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
+                                 num_speculative_tokens=k,
                                  draft_tree_nodes=6 if proposer.startswith("eagle-tree") else 0))
     grafted = []
     if proposer == "eagle-tree-ngram":                       # count the trees that prompt lookup added nodes to
@@ -82,42 +83,8 @@ def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, tiny_eagle_ngram, gr
         assert eng.stats_draft > 0 and not eng.proposer.states          # it drafted, and every state was freed
 
 
-def test_step_costs_size_the_trees(tiny, tiny_eagle, greedy_ref, monkeypatch):
-    """The engine measures its step costs at the first speculative step (non-decreasing, up to 17 rows); trees
-    keep every node where rows are free and none where every row doubles the step; the output stays greedy's."""
-    import shared.engine.eagle_proposer as ep
-    from shared.engine.step_costs import StepCosts
-
-    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
-                                 speculative=f"eagle:{tiny_eagle}", num_speculative_tokens=3, draft_tree_nodes=6,
-                                 adaptive_speculation=False, draft_tree_costs=True))
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    assert [o[0] for o in eng.generate(PROMPTS, params)] == greedy_ref
-    measured = eng.proposer.step_costs
-    assert eng.costs_measured and len(measured.costs) == 17 and measured.costs == sorted(measured.costs)
-    sizes = []
-    draft_trees = ep.draft_trees
-
-    def recording(*args, **kw):
-        out = draft_trees(*args, **kw)
-        sizes.extend(len(p.tokens) for p in out)
-        return out
-    monkeypatch.setattr(ep, "draft_trees", recording)
-    runs = {}
-    for name, costs in (("fixed", None), ("free rows", StepCosts([1.0] * 32)),
-                        ("doubling rows", StepCosts([2.0 ** r for r in range(32)]))):
-        eng.proposer.step_costs, sizes[:] = costs, []
-        d0 = eng.stats_draft
-        assert eng.generate(PROMPTS[:1], params)[0][0] == greedy_ref[0]
-        runs[name] = (list(sizes), eng.stats_draft - d0)
-    assert max(runs["fixed"][0]) == 6 and runs["fixed"][1] > 0                 # batch 1: trees of up to 6 nodes
-    assert runs["free rows"] == runs["fixed"]                                   # every node pays
-    assert runs["doubling rows"][0] and not any(runs["doubling rows"][0]) and runs["doubling rows"][1] == 0
-    assert eng.block_manager.num_used_blocks == 0
-
-
 def test_speculation_is_used_and_counted(tiny):
-    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
+    eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
                                  speculative=f"draft-model:{tiny}", num_speculative_tokens=3))
     eng.add_request("r", PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     last = None
@@ -129,7 +96,7 @@ def test_speculation_is_used_and_counted(tiny):
 
 
 def test_request_can_turn_speculation_off(tiny, greedy_ref):
-    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative="ngram"))
+    eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative="ngram"))
     eng.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                                                     num_speculative_tokens=0))
     out, last = [], None
@@ -212,14 +179,14 @@ def test_distribution_matches_target_and_not_the_draft(tmp_path, one_thread):
     prompt = [3, 7, 1]
     exact = marginals(target, prompt, 3)
     big = dict(progress=False, num_kv_blocks=12000, block_size=4, max_num_seqs=2500, max_num_batched_tokens=16384)
-    spec = LLMEngine(EngineConfig(model=str(tmp_path / "target"), speculative=f"draft-model:{tmp_path / 'draft'}",
+    spec = build_engine(EngineConfig(model=str(tmp_path / "target"), speculative=f"draft-model:{tmp_path / 'draft'}",
                                   num_speculative_tokens=3, draft_kv_blocks=12000, **big))
     counts = empirical(spec, prompt, 20000, 3)
     pvals = [chi2_pvalue(counts[i], exact[i]) for i in range(3)]
     print("speculative p-values", pvals)
     assert all(p > 0.001 for p in pvals)
     assert 0 < spec_accept_rate(spec) < 1
-    alone = LLMEngine(EngineConfig(model=str(tmp_path / "draft"), **big))
+    alone = build_engine(EngineConfig(model=str(tmp_path / "draft"), **big))
     draft_counts = empirical(alone, prompt, 20000, 3)
     draft_pvals = [chi2_pvalue(draft_counts[i], exact[i]) for i in range(3)]
     print("draft-alone p-values", draft_pvals)
@@ -231,8 +198,8 @@ def test_distribution_matches_target_and_not_the_draft(tmp_path, one_thread):
 def test_distribution_with_an_eagle_head_matches_the_target(tmp_path, one_thread):
     """The same chi-square with the EAGLE proposer: a random head over the target's hidden states whose reduced
     vocab (12 of 16 tokens) gives q(x) = 0 to 4 tokens the target can still produce (through the residual)."""
-    from shared.engine.eagle import EagleHead, head_config_for
     from shared.model.loader import load_config
+    from shared.spec.eagle import EagleHead, head_config_for
     target = save_small(tmp_path / "target", 0)
     torch.manual_seed(2)
     head = EagleHead(head_config_for(load_config(str(tmp_path / "target")), 12))
@@ -240,7 +207,7 @@ def test_distribution_with_an_eagle_head_matches_the_target(tmp_path, one_thread
     head.save(str(tmp_path / "eagle"), torch.float32)
     prompt = [3, 7, 1]
     exact = marginals(target, prompt, 3)
-    spec = LLMEngine(EngineConfig(model=str(tmp_path / "target"), speculative=f"eagle:{tmp_path / 'eagle'}",
+    spec = build_engine(EngineConfig(model=str(tmp_path / "target"), speculative=f"eagle:{tmp_path / 'eagle'}",
                                   num_speculative_tokens=3, progress=False, num_kv_blocks=12000, block_size=4,
                                   max_num_seqs=2500, max_num_batched_tokens=16384))
     counts = empirical(spec, prompt, 20000, 3)

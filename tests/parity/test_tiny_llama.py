@@ -9,7 +9,8 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import InvalidRequest, SamplingParams
+from shared.errors import InvalidRequest
+from shared.sampling_params import SamplingParams
 
 ROPE = {
     "default": None,

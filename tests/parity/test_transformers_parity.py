@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 TEXT = (Path(__file__).resolve().parents[1] / "data" / "english.txt").read_text()
 

@@ -7,8 +7,8 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.proposers import Proposal
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.proposal import Proposal
+from shared.sampling_params import SamplingParams
 from tests.parity.test_tiny_llama import save_tiny
 
 PROMPT, TOKENS, K = [3, 5, 7, 9], 24, 4

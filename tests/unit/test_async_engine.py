@@ -9,7 +9,8 @@ import pytest
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import InvalidRequest, SamplingParams
+from shared.errors import InvalidRequest
+from shared.sampling_params import SamplingParams
 
 
 def test_cancelled_before_admission_is_aborted(tiny_llama_dir):

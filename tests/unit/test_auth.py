@@ -7,8 +7,8 @@ import pytest
 from services.router.auth import KeyTable
 from services.router.config import RouterConfig
 from services.router.limits import Caller, Limits
-from shared.engine.sampling_params import InvalidRequest
-from shared.rpc.errors import Overloaded, Unauthenticated, status_for
+from shared.errors import InvalidRequest, Overloaded, Unauthenticated
+from shared.rpc.errors import status_for
 
 KEYS = """
 defaults:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.kv.block_manager import BlockManager
+from shared.sampling_params import SamplingParams
 
 
 def seq(n: int) -> Sequence:

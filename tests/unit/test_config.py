@@ -40,3 +40,12 @@ def test_cli_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for cmd in ("serve", "generate", "router", "target", "draft", "experts"):
         assert cmd in out
+
+
+def test_served_model_names_are_clean():
+    from shared.model_files import served_name
+    assert served_name("/opt/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert served_name("/m/Qwen2.5-0.5B-Instruct-q8_0.gguf") == "Qwen2.5-0.5B-Instruct"
+    assert served_name("/m/llama.F16.gguf") == "llama"
+    assert served_name("/models/Mixtral-tiny/") == "Mixtral-tiny"
+    assert served_name("/models/qwen3.gguf") == "qwen3"

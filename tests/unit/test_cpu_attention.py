@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.tree import ancestor_mask
-from shared.model.rope import apply_rope
 from shared.ops import cpu_attention
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref, write_kv
+from shared.ops.rope import apply_rope
+from shared.tree import ancestor_mask
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C attention kernel does not build here")
 

@@ -29,7 +29,7 @@ def test_prompt_sets_leave_out_the_benchmark(name: str) -> None:
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_message() -> None:
-    from shared.model.loader import default_model_path
+    from shared.model_files import default_model_path
     from shared.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_path())

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.proposers import Proposal, prompt_lookup
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.tree import ancestor_mask, check_tree, compaction, depths, graft_chain, is_chain, walk_greedy
+from shared.engine.proposal import Proposal
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
+from shared.sampling_params import SamplingParams
+from shared.spec.proposers import prompt_lookup
+from shared.tree import ancestor_mask, check_tree, compaction, depths, graft_chain, is_chain, walk_greedy
 from tests.parity.test_speculative import PROMPTS, tiny  # noqa: F401 (tiny: the tiny target, a fixture)
 
-# The tree of shared/engine/tree.py's docstring: a, b under the root; c under a, d under b, e under c.
+# The tree of shared/tree.py's docstring: a, b under the root; c under a, d under b, e under c.
 PARENTS = [-1, -1, 0, 1, 2]
 
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from services.train_draft_cmd import reduced_vocab
-from shared.engine.eagle import EagleConfig, EagleHead
-from shared.engine.eagle_proposer import EagleProposer
-from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.model.llama import RMSNorm
+from shared.sampling_params import SamplingParams
+from shared.spec.eagle import EagleConfig, EagleHead
+from shared.spec.eagle_proposer import EagleProposer
 
 V, D, N = 40, 32, 12
 
@@ -29,7 +29,7 @@ def tiny_head(seed: int = 0, post_norm: bool = False) -> EagleHead:
 
 def dense(head: EagleHead, feats: torch.Tensor, tokens: list[int]):
     """The head over the whole sequence at once: pairs (f_p, x_{p+1}), p = 0 .. L - 2."""
-    from shared.engine.eagle import causal_mask
+    from shared.spec.eagle import causal_mask
     n = len(tokens) - 1
     with torch.inference_mode():
         out, k, v = head(feats[None, :n], torch.tensor([tokens[1:]]), torch.arange(n)[None], None,
@@ -186,8 +186,8 @@ def test_a_draft_stops_where_its_path_probability_falls_below_the_confidence(the
 
 
 def test_draft_confidence_comes_from_the_head_unless_set(tmp_path):
-    from shared.engine.eagle_proposer import make_eagle
     from shared.engine.config import check_draft_confidence
+    from shared.spec.eagle_proposer import make_eagle
     head = tiny_head()
     head.cfg.draft_confidence = 0.2
     head.save(str(tmp_path / "h"))
@@ -207,7 +207,7 @@ def test_tree_settings_come_from_the_head_unless_set_and_bad_ones_are_refused(tm
     from services.launcher import ServeConfig
     from services.target.config import TargetConfig
     from shared.engine.config import EngineConfig
-    from shared.engine.eagle_proposer import make_eagle
+    from shared.spec.eagle_proposer import make_eagle
     head = tiny_head()
     head.cfg.tree_nodes, head.cfg.tree_width = 9, 3
     head.save(str(tmp_path / "h"))
@@ -222,7 +222,8 @@ def test_tree_settings_come_from_the_head_unless_set_and_bad_ones_are_refused(tm
     fp32 = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None)
     bf16 = make_eagle(str(tmp_path / "h"), torch.bfloat16, torch.device("cpu"), target, None)
     assert (fp32.tree_nodes, bf16.tree_nodes) == (5, 9)
-    assert make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, tree_nodes=7).tree_nodes == 7
+    seven = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, tree_nodes=7)
+    assert seven.tree_nodes == 7
     for make in (lambda: EngineConfig(draft_tree_nodes=-1), lambda: EngineConfig(draft_tree_nodes=65),
                  lambda: TargetConfig(draft_tree_nodes=-1),
                  lambda: DraftConfig(draft_tree_nodes=-1), lambda: ServeConfig(draft_tree_nodes=-1),
@@ -337,7 +338,7 @@ def test_training_answers_pick_greedy_and_the_named_sampled_rounds(tmp_path):
 def _ref_next_logp(head: EagleHead, feats: torch.Tensor, tokens: list[int], path: list[int]) -> torch.Tensor:
     """Reference without KV cache or tree masks: the head's log-distribution [N] of the token after the sequence's
     last token and then `path` (full-vocab ids), each step a dense causal pass over everything before it."""
-    from shared.engine.eagle import causal_mask
+    from shared.spec.eagle import causal_mask
     n = len(tokens) - 1
     f, t = feats[:n], list(tokens[1:])
     with torch.inference_mode():
@@ -351,7 +352,7 @@ def _ref_next_logp(head: EagleHead, feats: torch.Tensor, tokens: list[int], path
 
 @pytest.mark.parametrize("nodes,width,k", [(12, 3, 3), (24, 4, 4), (6, 2, 5), (2, 4, 3)])
 def test_draft_tree_nodes_are_the_heads_top_candidates_along_their_paths(nodes, width, k):
-    from shared.engine.tree import check_tree, depths
+    from shared.tree import check_tree, depths
     head = tiny_head(3)
     g = torch.Generator().manual_seed(4)
     seqs, feats = [], []
@@ -406,49 +407,3 @@ def test_a_packed_bf16_head_drafts_what_the_unpacked_one_drafts():
             out.append([tuple(p.tokens) + tuple(p.parents or ()) for p in prop.propose(seqs, [3, 4])])
         drafts.append(out)
     assert drafts[0] == drafts[1] and all(len(p) >= 3 for run in drafts[0] for p in run)
-
-
-def test_aligned_unrolled_passes_compute_what_serving_drafts():
-    """train-draft --aligned-context: pass j at pair p predicts exactly what draft step j + 1 computes in serving
-    for a draft that starts after real position p - j (real KV up to there, then the draft's own steps), for every
-    pair that counts, in a padded batch; the old unrolled passes (context of predicted features) do not."""
-    from services.train_draft_cmd import pair_masks, unrolled_passes
-    from shared.engine.eagle import causal_mask
-    head = tiny_head(4)
-    g = torch.Generator().manual_seed(5)
-    lens, firsts = [11, 8], [3, 2]
-    f_in = torch.randn(2, 11, D, generator=g)
-    toks = torch.randint(0, V, (2, 11), generator=g)
-    valid, prompt = pair_masks(lens, firsts, 11)
-    with torch.no_grad():
-        passes = unrolled_passes(head, f_in, toks, lens, valid, prompt, firsts, 3, aligned=True)
-        old = unrolled_passes(head, f_in, toks, lens, valid, prompt, firsts, 3, aligned=False)
-    assert len(passes) == 3
-    checked, differs = 0, False
-    for j, (out, live) in enumerate(passes):
-        for b in range(2):
-            assert live[b].tolist() == [firsts[b] + j <= p < lens[b] for p in range(11)]
-            for p in range(firsts[b] + j, lens[b]):
-                p0 = p - j                                          # the draft starts after real position p0
-                with torch.no_grad():
-                    o, k, v = head(f_in[b:b + 1, :p0 + 1], toks[b:b + 1, :p0 + 1], torch.arange(p0 + 1)[None], None,
-                                   causal_mask([0], [p0 + 1], f_in.device))
-                    h = o[:, p0:]
-                    for i in range(1, j + 1):                       # draft step i + 1 reads step i's feature
-                        h, k1, v1 = head(h, toks[b:b + 1, p0 + i:p0 + i + 1], torch.tensor([[p0 + i]]), (k, v),
-                                         torch.ones(1, 1, k.shape[1] + 1, dtype=torch.bool))
-                        k, v = torch.cat([k, k1], 1), torch.cat([v, v1], 1)
-                torch.testing.assert_close(out[b, p], h[0, 0], atol=1e-5, rtol=1e-5)
-                differs |= not torch.allclose(old[j][0][b, p], h[0, 0], atol=1e-3)
-                checked += 1
-    assert checked == sum(len(range(f + j, n)) for j in range(3) for f, n in zip(firsts, lens))
-    assert differs
-
-
-def test_aligned_mask_reads_real_keys_then_the_drafts_own():
-    from services.train_draft_cmd import aligned_mask
-    m = aligned_mask([4, 2], 4, 2)                                  # [B, T, 3 T]: pass 0 | pass 1 | pass 2
-    assert m.shape == (2, 4, 12)
-    assert m[0, 3].tolist() == [True, True, False, False] + [False, False, True, False] + [False, False, False, True]
-    assert m[1, 1].tolist() == [False] * 4 + [True, False, False, False] + [False, True, False, False]
-    assert m[0, 0].tolist() == [False] * 4 + [False] * 4 + [True, False, False, False]

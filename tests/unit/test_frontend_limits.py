@@ -10,13 +10,12 @@ import pytest
 from services.router.config import RouterConfig
 from services.router.frontend import Frontend, GenerationInput
 from services.router.target_client import StepOutput, TargetInfo
-from shared.engine.sampling_params import InvalidRequest
-from shared.rpc.errors import PeerUnavailable
+from shared.errors import InvalidRequest, PeerUnavailable
 
 
 @functools.cache
 def tokenizer():
-    from shared.model.loader import default_model_path
+    from shared.model_files import default_model_path
     from shared.tokenizer import Tokenizer
     return Tokenizer(default_model_path())
 
@@ -82,7 +81,7 @@ def test_a_real_client_marks_an_unreachable_replica_down():
     """TargetClient against a port nothing listens on: UNAVAILABLE becomes PeerUnavailable, and the replica is
     down for its hold-off."""
     from services.router.target_client import TargetClient
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     from tests.conftest import free_port
 
     async def go() -> TargetClient:

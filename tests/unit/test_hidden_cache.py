@@ -7,7 +7,8 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
+from shared.spec.factory import build_engine
 from tests.parity.test_speculative import PROMPTS, tiny, tiny_eagle  # noqa: F401 (fixtures)
 
 
@@ -27,7 +28,7 @@ def _run(eng: LLMEngine, prompt: list[int]):
 
 
 def test_a_prefix_cache_hit_gives_the_head_the_cached_features(tiny, tiny_eagle):
-    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
+    eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
                                  speculative=f"eagle:{tiny_eagle}", num_speculative_tokens=3))
     prompt = PROMPTS[5]                                               # 40 tokens: 10 full blocks
     cold, cold_given = _run(eng, prompt)
@@ -42,7 +43,7 @@ def test_a_prefix_cache_hit_gives_the_head_the_cached_features(tiny, tiny_eagle)
 
 
 def test_blocks_computed_before_capture_are_not_handed_out(tiny):
-    eng = LLMEngine(EngineConfig(model=tiny, progress=False, num_kv_blocks=64, block_size=4))
+    eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=64, block_size=4))
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     eng.generate([PROMPTS[5]], params)                                  # its blocks cached, capture off
     assert eng.runner.hidden_cache is None

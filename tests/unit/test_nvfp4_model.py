@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from shared.convert.quantize import quantize
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
 from shared.ops.packed_linear import PackedLinear
 from shared.quant.checkpoint import CheckpointFormatError
 from shared.quant.model_quant import set_act_quant
@@ -23,7 +23,7 @@ from shared.quant.nvfp4 import NVFP4ShapeError, fake_quantise, quantise_weight
 from shared.quant.nvfp4_linear import nvfp4_linear
 from shared.quant.nvfp4_module import FP8Linear, NVFP4Linear
 from shared.quant.policy import PolicyError, parse_size
-from shared.quant.quantize import quantize
+from shared.sampling_params import SamplingParams
 
 HIGH = (nn.Linear, PackedLinear)       # a layer served in high precision: plain, or prepacked for the CPU kernels
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from services.experts.shard import ExpertShard
+from shared.convert.quantize import quantize
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.model.placement import Placement
 from shared.quant.nvfp4_module import NVFP4Linear
-from shared.quant.quantize import quantize
-from tests.moe_checkpoints import save_tiny
+from shared.testing.moe_checkpoints import save_tiny
 
 
 def test_mixtral_nvfp4_experts_on_two_shards_equal_the_quantised_model(tmp_path):

@@ -87,7 +87,7 @@ def test_draft_trees_match_reference(h: int, kvh: int) -> None:
     """Draft trees verified beside decodes and a 70-token prefill (rows past the 64 mask bits stay causal): a
     3-node tree, a 9-node one, and a 64-node one (65 rows: the last node's bit is the int64's sign bit), each
     against the reference with the same ancestor masks."""
-    from shared.engine.tree import ancestor_mask
+    from shared.tree import ancestor_mask
 
     trees = {2: [-1, -1, 0], 4: random_parents(9, 2), 5: random_parents(64, 3)}
     lens = [(17, 1), (40, 1), (30, 4), (90, 70), (25, 10), (100, 65)]
@@ -109,7 +109,7 @@ def test_draft_trees_match_reference(h: int, kvh: int) -> None:
 
 
 def test_tree_bits_and_tree_errors() -> None:
-    from shared.engine.tree import ancestor_mask
+    from shared.tree import ancestor_mask
 
     q, k_cache, v_cache, meta = make_batch([(9, 1), (20, 4)], [], 4, 2, 64, 16)
     meta.tree_masks = {1: ancestor_mask([-1, 0, -1])}                  # nodes 1, 2 under the root, 3 under the root

@@ -9,9 +9,8 @@ import torch
 
 from services.experts.shard import ExpertShard, FfnUnit, ffn_forward
 from shared import tensor_codec
-from shared.model.placement import (Placement, combine, dense_slice, load_placement, plan_dispatch,
-                                    replica_table)
-from shared.model.rebalance import imbalance, replicate_hot
+from shared.model.placement import Placement, combine, dense_slice, load_placement, plan_dispatch, replica_table
+from shared.shards.rebalance import imbalance, replicate_hot
 
 
 # ---------------------------------------------------------------- placement
@@ -201,7 +200,7 @@ def test_failover_to_replicas_and_on_demand_loading(tiny_mixtral):
             torch.testing.assert_close(_distributed(shards, 0, x, ids, weights, frozenset(down)), want,
                                        rtol=1e-6, atol=1e-7)
     # layer 1 is contiguous: shard 0 lacks experts 3..5 until it loads them from the checkpoint
-    from shared.engine.sampling_params import InvalidRequest
+    from shared.errors import InvalidRequest
     x1, ids1, w1 = _routing(model, 1, 5, seed=4)
     with pytest.raises(InvalidRequest, match="does not hold"):
         shards[0].forward(1, x1[:1], torch.tensor([4], dtype=torch.int32))
@@ -216,7 +215,7 @@ def test_failover_to_replicas_and_on_demand_loading(tiny_mixtral):
 
 
 def test_shard_rejects_malformed_dispatches(tiny_llama):
-    from shared.engine.sampling_params import InvalidRequest
+    from shared.errors import InvalidRequest
     path, _ = tiny_llama
     shard = _shards(path, Placement(2))[1]
     x = torch.randn(3, 32)
@@ -257,7 +256,7 @@ def test_rebalancer_replicates_the_hottest_experts_on_the_least_loaded_shards():
 
 def test_attach_routes_every_layer_through_the_client_and_frees_local_weights(tiny_llama, tiny_mixtral):
     from shared.model.registry import build_model
-    from shared.model.remote_ffn import ExpertsClient, RemoteExperts, RemoteMLP, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient, RemoteExperts, RemoteMLP, attach_expert_shards, ffn_kinds
     for path, kinds in ((tiny_llama[0], [True, True]), (tiny_mixtral[0], [False, False])):
         model, _ = build_model(path, 64, torch.float32, "cpu", progress=False)
         assert ffn_kinds(model) == kinds

@@ -1,11 +1,11 @@
-"""Replica order from measured load (shared.model.rebalance.order_replicas): plan_dispatch sends token t of a step
+"""Replica order from measured load (shared.shards.rebalance.order_replicas): plan_dispatch sends token t of a step
 to replica t mod R, so the first replicas must balance by themselves for one-token steps (batch-1 decode)."""
 from __future__ import annotations
 
 import torch
 
 from shared.model.placement import Placement, plan_dispatch, replica_table
-from shared.model.rebalance import imbalance, replicate_hot
+from shared.shards.rebalance import imbalance, replicate_hot
 
 
 def _shard_slots(placement: Placement, ids: torch.Tensor) -> list[int]:

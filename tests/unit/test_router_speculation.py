@@ -7,7 +7,7 @@ import pytest
 
 from services.router.config import RouterConfig
 from services.router.frontend import Frontend
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 def frontend(limit: int) -> Frontend:

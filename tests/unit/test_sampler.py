@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from shared.engine.sampler import probs_from_logits, sample
-from shared.engine.sampling_params import InvalidRequest, SamplingParams
 from shared.engine.sequence import Sequence
+from shared.errors import InvalidRequest
+from shared.sampling_params import SamplingParams
 
 
 def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
@@ -50,7 +51,8 @@ def test_greedy_is_argmax_and_seeded_sampling_reproduces():
     p = SamplingParams(temperature=1.0, seed=7)
     assert sample(logits, seqs(p, 4)) == sample(logits, seqs(p, 4))
     # choice i uses seed + i: choice 1 with seed 7 is choice 0 with seed 8
-    assert sample(logits[1:2], [Sequence("x", 1, [1], p)]) == sample(logits[1:2], [Sequence("y", 0, [1], SamplingParams(temperature=1.0, seed=8))])
+    eight = SamplingParams(temperature=1.0, seed=8)
+    assert sample(logits[1:2], [Sequence("x", 1, [1], p)]) == sample(logits[1:2], [Sequence("y", 0, [1], eight)])
 
 
 def test_sampling_frequencies_follow_probs():

@@ -1,10 +1,10 @@
 """Continuous batching: chunked prefill never stalls decodes; preemption frees and recomputes."""
 from __future__ import annotations
 
-from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence, Status
 from shared.kv.block_manager import BlockManager
+from shared.sampling_params import SamplingParams
 
 
 def make(n: int, rid: str = "r") -> Sequence:

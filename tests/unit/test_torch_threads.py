@@ -11,7 +11,7 @@ from shared import torch_thread
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 def test_async_engine_builds_its_engine_on_the_thread_that_steps_it(tiny_llama_dir):

@@ -7,9 +7,9 @@ import asyncio
 import torch
 
 from services.target.verify import StreamProposer
-from shared.engine.proposers import NO_PROPOSAL, Proposal
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.proposal import NO_PROPOSAL, Proposal
 from shared.engine.sequence import Sequence
+from shared.sampling_params import SamplingParams
 from upesi.v1 import target_pb2
 
 
@@ -109,7 +109,7 @@ def test_malformed_proposals_are_dropped_not_allowed_to_fail_the_step():
         reply = target_pb2.ProposeResponse(proposals=[target_pb2.DraftProposal(tokens=[9, 10, 11, 12]),
                                                       target_pb2.DraftProposal(tokens=[60]), bad_q, wrong_v])
         _, out = await _exchange(p, outbox, [a, b, c, d], [2, 2, 2, 2], lambda m: reply)
-        assert out == [Proposal([9, 10]), NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL]           # trimmed to k; the rest dropped
+        assert out == [Proposal([9, 10]), NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL]     # trimmed to k; the rest dropped
     asyncio.run(main())
 
 
@@ -117,7 +117,7 @@ def test_the_mux_sends_to_every_stream_before_waiting_on_any():
     """Two draft services' streams in one engine step: both get their verdicts before the step waits, so their
     drafts compute at the same time. Here each draft answers only once both messages are out, which a mux that
     waited on one stream before sending to the next could never see (it would time out)."""
-    from shared.engine.proposer_mux import ProposerMux
+    from shared.spec.proposer_mux import ProposerMux
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -153,39 +153,3 @@ def test_draft_trees_cross_the_stream_checked():
         _, out = await _exchange(p, outbox, seqs, [3, 3, 2, 3, 3], lambda m: reply)
         assert out == [tree, NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL]
     asyncio.run(main())
-
-
-def test_step_costs_go_to_the_draft_once_per_stream_and_reach_its_proposer():
-    from services.draft.codec import deltas_from_pb
-    from services.draft.proposer_service import DraftState
-    from shared.engine.step_costs import StepCosts
-
-    async def main():
-        outbox: asyncio.Queue = asyncio.Queue()
-        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=5)
-        seq = _seq([5, 6, 7])
-        msg, _ = await _exchange(p, outbox, [seq], [2], lambda m: _proposals([1]))
-        assert not msg.propose.step_costs                           # not measured yet: nothing sent
-        p.step_costs = StepCosts([1.0, 1.5, 2.0])                    # the engine measured them
-        first, _ = await _exchange(p, outbox, [seq], [2], lambda m: _proposals([1]))
-        again, _ = await _exchange(p, outbox, [seq], [2], lambda m: _proposals([1]))
-        assert list(first.propose.step_costs) == [1.0, 1.5, 2.0] and not again.propose.step_costs
-        return first.propose
-
-    req = asyncio.run(main())
-
-    class Recording:                                                 # a proposer that sizes trees by step costs
-        step_costs = None
-        seen: list = []
-
-        def propose(self, seqs, ks):
-            self.seen.append(self.step_costs)
-            return [NO_PROPOSAL] * len(seqs)
-
-        def release(self, seq_id):
-            pass
-    state = DraftState(Recording())
-    costs = StepCosts(list(req.step_costs))
-    state.propose(deltas_from_pb(req), [], costs)
-    state.propose(deltas_from_pb(req), [], None)
-    assert Recording.seen == [costs, None]                          # each call gets its target's costs

@@ -7,7 +7,7 @@ import torch
 
 from shared.engine.config import WIDE_ROWS, EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from tests.parity.test_tiny_llama import save_tiny
 from tests.unit.test_adaptive_k import PROMPT, Scripted
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.engine.proposers import NO_PROPOSAL, Proposal, Proposer
+from shared.engine.proposal import NO_PROPOSAL, Proposal, Proposer
 from shared.engine.sequence import Sequence
 
 
@@ -16,8 +16,6 @@ class ProposerMux:
         self.local = local
         self.bound: dict[str, Proposer] = {}          # request id -> proposer (set by the caller's thread)
         self.streams: dict[int, Proposer] = {}        # every live stream's proposer, bound requests or not
-        self.step_costs = None                        # the engine's measured step costs (shared.engine.step_costs),
-        # handed to every proposer that sizes draft trees by them (local eagle heads, Verify streams)
 
     def add(self, proposer: Proposer) -> None:
         """A proposer that requests may be bound to (a Verify stream's), until `remove`."""
@@ -61,8 +59,6 @@ class ProposerMux:
         remote: list[tuple[list[int], Callable[[], list[Proposal]]]] = []
         local: list[tuple[list[int], Callable[[], list[Proposal]]]] = []
         for p, idx in groups.values():
-            if self.step_costs is not None and hasattr(p, "step_costs"):
-                p.step_costs = self.step_costs
             args = [seqs[i] for i in idx], [ks[i] for i in idx]
             start = getattr(p, "start_propose", None)
             if start is None:

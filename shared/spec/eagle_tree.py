@@ -6,7 +6,7 @@ children; at every further depth it runs the head once over the frontier nodes o
 node's W best children by path log-probability (the sum of log q along the path) and keeps the W best of those as
 the next frontier. K depths give up to K * W candidates; the N with the highest path probability (each node scores
 no higher than its parent, so the set contains its ancestors) become the proposal, in depth order with parent
-indices (shared.engine.tree). A frontier node that already scores below the N-th best candidate cannot have a
+indices (shared.tree). A frontier node that already scores below the N-th best candidate cannot have a
 selected descendant, so it is not expanded: the passes shrink, and stop early when the head is unsure. So a
 confident head drafts a long narrow tree and an unsure one a short bushy tree, of the same size: the target
 verifies N + 1 rows at about the cost of one while N is small (on CPU, bf16 rows are nearly free up to about 10:
@@ -19,21 +19,17 @@ N = reduced vocab, KVH = kv heads, Dh = head dim.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from shared.engine.eagle import EagleHead
-from shared.engine.proposers import Proposal
-from shared.engine.step_costs import StepCosts, tree_sizes
+from shared.engine.proposal import Proposal
+from shared.spec.eagle import EagleHead
 
 
-def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int], width: int, max_nodes: int,
-                costs: StepCosts | None = None, base_rows: int = 0) -> list[Proposal]:
+def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int], width: int, max_nodes: int
+                ) -> list[Proposal]:
     """states: the sequences' HeadStates (real KV only), last [B, D]: each root's predicted feature, ks: each
-    sequence's depth -> one tree Proposal per sequence. With the target's step costs, only the best nodes that pay
-    for their rows are kept (shared.engine.step_costs.tree_sizes; base_rows: the step's rows without drafts)."""
+    sequence's depth -> one tree Proposal per sequence, of its best nodes (at most max_nodes)."""
     dev = last.device
     b = len(states)
     c = head.cfg
@@ -98,11 +94,7 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
             new = list(range(first, len(pool[i])))
             frontier[i] = _worth_expanding(pool[i], new, max_nodes) if d < ks[i] else []
     ranked = [_ranked(pool[i], ks[i], max_nodes) for i in range(b)]
-    counts = [len(r) for r in ranked]
-    if costs is not None:
-        counts = tree_sizes([[math.exp(pool[i][j][0]) for j in r] for i, r in enumerate(ranked)], costs,
-                            max(base_rows, b))
-    return [_select(pool[i], ranked[i][:n], head.id_map) for i, n in enumerate(counts)]
+    return [_select(pool[i], r, head.id_map) for i, r in enumerate(ranked)]
 
 
 def _worth_expanding(pool: list[tuple[float, int, int, int]], nodes: list[int], max_nodes: int) -> list[int]:

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class InvalidRequest(ValueError):
-    """Bad input from a client; maps to INVALID_ARGUMENT at the gRPC edge."""
+from shared.errors import InvalidRequest
 
 
 @dataclass(slots=True)

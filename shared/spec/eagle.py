@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.llama import MLP, RMSNorm
-from shared.model.rope import apply_rope, rope_tables
-from shared.ops.paged_attention import gqa_attention
 from shared.ops.packed_linear import pack_linears, pack_weight, packable, packed_linear
+from shared.ops.paged_attention import gqa_attention
+from shared.ops.rope import apply_rope, rope_tables
 
 HEAD_FILE, CONFIG_FILE = "head.safetensors", "eagle.json"
 
@@ -193,7 +193,8 @@ def head_config_for(target_cfg, draft_vocab_size: int, post_norm: bool = False) 
 def load_target_parts(path: str | None, dtype: torch.dtype, device: torch.device
                       ) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
     """(embedding [V, D], final norm, LM head [V, D]) read from a target checkpoint, without building the model."""
-    from shared.model.loader import iter_weights, load_config, resolve_model_path
+    from shared.model.loader import iter_weights, load_config
+    from shared.model_files import resolve_model_path
 
     path = resolve_model_path(path)
     cfg = load_config(path)

@@ -25,7 +25,7 @@ from prometheus_client import Counter, Gauge
 from shared.model.placement import Placement
 
 if TYPE_CHECKING:
-    from shared.model.remote_ffn import ExpertsClient
+    from shared.shards.client import ExpertsClient
 
 log = logging.getLogger("upesi.rebalance")
 IMBALANCE = Gauge("upesi_expert_imbalance", "Expected tokens of the busiest expert shard over the mean, worst MoE "

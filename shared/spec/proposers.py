@@ -5,39 +5,17 @@
 - "draft-model:PATH": a small Llama-family checkpoint sharing the target's tokenizer, with its own paged KV. It
   keeps a mirror of each target sequence, rolls it back to the accepted tokens before every proposal, and samples
   K tokens with the request's own temperature / top-p / top-k, returning their probabilities q.
-- "eagle:PATH": an EAGLE-style head (shared.engine.eagle_proposer) fed with the target's hidden states; a proposer
+- "eagle:PATH": an EAGLE-style head (shared.spec.eagle_proposer) fed with the target's hidden states; a proposer
   that needs them says so with `wants_hidden = True` and receives them through `accept_hidden`.
 Shapes: K = draft tokens, V = vocab.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple, Protocol
-
 import torch
 
+from shared.engine.proposal import Proposal
 from shared.engine.sampler import probs_from_logits
 from shared.engine.sequence import Sequence
-
-
-
-class Proposal(NamedTuple):
-    """K draft tokens for one sequence. A chain unless `parents` is given: then a draft tree (shared.engine.tree),
-    parents[i] = the index of token i's parent, -1 for the sequence's last real token; trees are greedy-only."""
-    tokens: list[int]
-    probs: torch.Tensor | None = None          # q [K, V], None for point masses
-    parents: list[int] | None = None
-
-
-NO_PROPOSAL = Proposal([])
-
-
-class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]: ...
-    def release(self, seq_id: int) -> None: ...
-    # Optional: a proposer with `wants_hidden = True` also gets, after every step, the target's last hidden states
-    # (before the final norm) [M, D] of the positions start .. start + M - 1 whose inputs were accepted:
-    #     def accept_hidden(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None
 
 
 def prompt_lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -114,7 +92,7 @@ class DraftModelProposer:
             live = sorted((i for i in live if step < ks[i]), key=lambda i: mirrors[i].num_uncomputed > 1)
             if not live:
                 break
-            decodes = sum(1 for i in live if mirrors[i].num_uncomputed == 1)       # decodes first, as the runner expects
+            decodes = sum(1 for i in live if mirrors[i].num_uncomputed == 1)   # decodes first, as the runner expects
             batch = ScheduledBatch([mirrors[i] for i in live], [mirrors[i].num_uncomputed for i in live], decodes)
             logits, groups = self.runner.run(batch)                                   # [B, V], one row each
             params = [seqs[i].params for i in live]
@@ -140,24 +118,3 @@ class DraftModelProposer:
         self.generators.pop(seq_id, None)
         if m is not None:
             self.blocks.free(m)
-
-
-def make_proposer(spec: str, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                  max_len: int, target: torch.nn.Module | None = None, target_path: str | None = None,
-                  draft_confidence: float | None = None, draft_tree_nodes: int | None = None) -> Proposer:
-    """`ngram`, `draft-model:PATH` or `eagle:PATH`. An eagle head takes the target's embedding, final norm and LM
-    head from `target` (in-process) or else from the checkpoint at `target_path` (None = the default model), and
-    stops a draft below `draft_confidence` and drafts trees of `draft_tree_nodes` for greedy sequences (None = the
-    head's own settings)."""
-    from shared.engine.eagle_proposer import make_eagle
-
-    kind, _, arg = spec.partition(":")
-    factories: dict[str, Callable[[], Proposer]] = {
-        "ngram": lambda: NgramProposer(),
-        "draft-model": lambda: DraftModelProposer(arg, num_blocks, block_size, dtype, device, max_len),
-        "eagle": lambda: make_eagle(arg, dtype, device, target, target_path, draft_confidence,
-                                   draft_tree_nodes),
-    }
-    if kind not in factories or (kind != "ngram" and not arg):
-        raise ValueError(f"unknown speculative proposer {spec!r}; use 'ngram', 'draft-model:PATH' or 'eagle:PATH'")
-    return factories[kind]()

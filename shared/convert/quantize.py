@@ -8,7 +8,7 @@
 
 Without calibration the weights stream through one tensor at a time (shared.model.loader.iter_weights), so the
 peak is the output plus one dense tensor. Calibration (the auto policy, W4A4 input scales) loads the source in the
-engine to capture activations (shared.quant.policy.measure) and then converts that model's weights, so the
+engine to capture activations (shared.convert.calibrate.measure) and then converts that model's weights, so the
 checkpoint is read once either way.
 """
 from __future__ import annotations
@@ -25,8 +25,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from shared.convert.calibrate import measure
 from shared.model.config import ModelConfig
-from shared.model.loader import is_gguf, iter_weights, load_config, resolve_model_path
+from shared.model.loader import iter_weights, load_config
+from shared.model_files import is_gguf, resolve_model_path
 from shared.quant import policy as pol
 from shared.quant.checkpoint import CT_FORMAT, compressed_tensors_config, to_compressed_tensors
 from shared.quant.model_quant import hf_name, linear_units
@@ -110,7 +112,7 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
         if not ids:
             raise pol.PolicyError("the calibration text is empty")
         targets = {u: v[:2] for u, v in units.items() if chosen[u] == "nvfp4"}
-        found, quantised, model = pol.measure(src, targets, ids, act_quant)
+        found, quantised, model = measure(src, targets, ids, act_quant)
         weights = _model_weights(model, units)          # the loaded model, not a second read of the checkpoint
     if policy == "auto":
         for u in pol.choose(found, budget - base, keep, act_quant):

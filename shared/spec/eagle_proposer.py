@@ -14,13 +14,13 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from shared.engine.config import check_draft_confidence, check_tree_shape
-from shared.engine.eagle import EagleHead, causal_mask
-from shared.engine.eagle_tree import draft_trees
-from shared.engine.proposers import NO_PROPOSAL, Proposal, prompt_lookup
+from shared.engine.proposal import NO_PROPOSAL, Proposal
 from shared.engine.sampler import probs_from_logits
 from shared.engine.sequence import Sequence
-from shared.engine.step_costs import StepCosts
-from shared.engine.tree import graft_chain
+from shared.spec.eagle import EagleHead, causal_mask
+from shared.spec.eagle_tree import draft_trees
+from shared.spec.proposers import prompt_lookup
+from shared.tree import graft_chain
 
 
 class HeadState:
@@ -58,9 +58,6 @@ class EagleProposer:
         self.tree_nodes, self.tree_width = tree_nodes, tree_width    # greedy sequences get trees (0 = chains):
         # tree_nodes per step, split among the greedy sequences of the batch
         self.tree_ngram = tree_ngram                  # prompt lookup's continuation grafted onto each tree (0 = off)
-        # The target's step costs by rows (set by the engine, or sent by the target to a draft service): trees keep
-        # only the nodes that pay for their rows (shared.engine.step_costs); None = tree_nodes always
-        self.step_costs: StepCosts | None = None
         self.states: dict[int, HeadState] = {}
 
     # ---------------------------------------------------------------- features in
@@ -100,7 +97,7 @@ class EagleProposer:
         for st, f in zip(states, feats):
             st.real += len(f)
             st.feats = f[:0]
-        # 2) greedy sequences: draft trees of up to K depths (shared.engine.eagle_tree) sharing tree_nodes nodes
+        # 2) greedy sequences: draft trees of up to K depths (shared.spec.eagle_tree) sharing tree_nodes nodes
         # per step, since the target verifies every node of the batch in one pass: a sequence alone gets them all,
         # a batch of 8 one each (its head's first choice).
         trees = [r for r, i in enumerate(live) if self.tree_nodes and seqs[i].params.greedy]
@@ -109,10 +106,9 @@ class EagleProposer:
             nodes = max(1, self.tree_nodes // len(trees))
             for r, prop in zip(trees, draft_trees(self.head, [states[r] for r in trees], last[trees],
                                                   [min(ks[live[r]], nodes) for r in trees],
-                                                  min(self.tree_width, nodes), nodes, self.step_costs, len(seqs))):
-                # the graft adds at most half the node budget, or of the nodes the step costs kept
-                out[live[r]] = self._graft(seqs[live[r]], prop, min(ks[live[r]], self.tree_ngram),
-                                           (nodes if self.step_costs is None else len(prop.tokens)) // 2)
+                                                  min(self.tree_width, nodes), nodes)):
+                # the graft adds at most half the node budget
+                out[live[r]] = self._graft(seqs[live[r]], prop, min(ks[live[r]], self.tree_ngram), nodes // 2)
         # 3) the others: up to K draft steps; step j > 0 feeds back the predicted feature and drafted token. A row
         # stops early once the head's own probability of its draft path (the product of its tokens' probabilities)
         # would fall below min_confidence: the head is well calibrated, so unlikely drafts are not worth their step.
@@ -226,7 +222,7 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
     at `target_path` (a draft service; None = the default model); drafts stop below `min_confidence` (None = the
     head's own draft_confidence); greedy sequences get trees of up to `tree_nodes` (None = the head's tree_nodes, or
     tree_nodes_fp32 in fp32; 0 = chains)."""
-    from shared.engine.eagle import load_target_parts
+    from shared.spec.eagle import load_target_parts
 
     head = EagleHead.load(path, dtype, device)
     if target is not None:

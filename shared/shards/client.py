@@ -26,10 +26,10 @@ from prometheus_client.core import CounterMetricFamily
 from torch import nn
 
 from shared import telemetry, tensor_codec
+from shared.errors import PeerUnavailable
 from shared.model.config import ModelConfig
 from shared.model.placement import Placement, Unit, combine, plan_dispatch, replica_table
 from shared.ops.packed_linear import PackedLinear
-from shared.rpc.errors import PeerUnavailable
 from shared.rpc.channel import sync_channel
 from upesi.v1 import experts_pb2, experts_pb2_grpc
 

@@ -1,7 +1,7 @@
 """Load run: N concurrent streaming requests against a running stack for a fixed time; prints errors and figures.
 
     .venv/bin/upesi serve &                 # or any running stack
-    .venv/bin/python bench/load_run.py --address 127.0.0.1:50051 --concurrency 64 --duration 120
+    .venv/bin/python shared/testing/load_run.py --address 127.0.0.1:50051 --concurrency 64 --duration 120
 
 Each of the N workers sends one streaming request after another (a prompt drawn from a fixed varied set, sampled,
 max_tokens drawn from [min, max]) until the time is up, then finishes its request in flight. Any RPC error counts.

@@ -1,0 +1,60 @@
+"""Helpers that tests and benchmarks share: free ports, and `upesi serve` started on them as a user runs it."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]          # the repository
+
+_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A port nothing listens on now, and never one this process gave out before: servers bind seconds later, and
+    gRPC binds with SO_REUSEPORT, so two services handed the same port would share it silently."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+
+
+# The internal token of the stacks tests start (`upesi serve` keeps one it is given), for tests that call internal
+# services directly or add a service to a running stack; `INTERNAL` is the metadata such calls carry.
+INTERNAL_TOKEN = "upesi-tests-internal-token"
+INTERNAL = [("x-upesi-internal-token", INTERNAL_TOKEN)]
+
+
+class Stack:
+    """`upesi serve` on free ports, as a user runs it."""
+
+    def __init__(self, tmp: Path, extra: list[str] | None = None) -> None:
+        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.address = f"127.0.0.1:{self.grpc_port}"
+        self.log = tmp / "serve.log"
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--address", self.address,
+               "--http-port", str(self.http_port), "--target-address", f"127.0.0.1:{free_port()}",
+               "--target-metrics-port", str(self.metrics_port), "--kv-cache-gb", "0.5", *(extra or [])]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     env={"UPESI_INTERNAL_TOKEN": INTERNAL_TOKEN, **os.environ})
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"upesi serve exited early:\n{self.log.read_text()[-3000:]}")
+            if "upesi: serving on" in self.log.read_text():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(self.log.read_text()[-3000:])
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
