@@ -1,7 +1,7 @@
 """Faults mid-stream against the whole stack at once: redis + draft service + 2 expert shards + target + router.
 
 One `upesi serve` runs everything on the default model, as in production but on free ports. Each test breaks one
-part while a greedy stream is open and checks the behaviour DESIGN.md section 7 and the issues define, then that the
+part while a greedy stream is open and checks the behaviour docs/architecture.md (Invariants) defines, then that the
 target holds no KV block afterwards:
 - kill an expert shard -> the stream ends with UNAVAILABLE promptly; `upesi serve` restarts the shard, serving resumes;
 - kill the draft        -> the stream completes with exactly the non-speculative tokens, no error;
