@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 DESCRIPTION = """Upesi: LLM inference as gRPC microservices.
@@ -13,39 +14,42 @@ DESCRIPTION = """Upesi: LLM inference as gRPC microservices.
 Every flag also reads an UPESI_* environment variable (e.g. --max-num-seqs <- UPESI_MAX_NUM_SEQS)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from services import launcher
-    from services.draft import main as draft
-    from services.experts import main as experts
-    from services.router import main as router
-    from services.target import main as target
-    from services import generate_cmd, quantize_cmd, train_draft_cmd
+# command -> (help, the module with its add_arguments and main)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("start the stack as child processes: router, targets, optional draft and expert shards",
+              "services.launcher"),
+    "generate": ("stream an answer from a running stack", "services.generate_cmd"),
+    "quantize": ("write an NVFP4 (compressed-tensors) checkpoint of a model", "services.quantize_cmd"),
+    "router": ("run the router: public gRPC API (and HTTP /health, /metrics)", "services.router.main"),
+    "target": ("run a target: model, paged KV cache, continuous batching", "services.target.main"),
+    "experts": ("run an expert shard: the FFN weights placed on it, stateless batched compute",
+                "services.experts.main"),
+    "draft": ("run a draft service: drives speculative decoding with a target over a Verify stream (n-gram, a small "
+              "draft model or an EAGLE head)", "services.draft.main"),
+    "train-draft": ("train an EAGLE-style draft head for a target by self-distillation", "services.train_draft_cmd"),
+}
 
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; with `only`, the flags of that command alone are loaded (a service process
+    imports its own modules only: the router never loads the target's torch code)."""
     p = argparse.ArgumentParser(prog="upesi", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default="INFO", help="logging level of the services (default: %(default)s)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(name: str, help_text: str, module) -> None:
+    for name, (help_text, module_name) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text,
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        module.add_arguments(sp)
-        sp.set_defaults(func=module.main)
-
-    add("serve", "start the stack as child processes: router, targets, optional draft and expert shards", launcher)
-    add("generate", "stream an answer from a running stack", generate_cmd)
-    add("quantize", "write an NVFP4 (compressed-tensors) checkpoint of a model", quantize_cmd)
-    add("router", "run the router: public gRPC API (and HTTP /health, /metrics)", router)
-    add("target", "run a target: model, paged KV cache, continuous batching", target)
-    add("experts", "run an expert shard: the FFN weights placed on it, stateless batched compute", experts)
-    add("draft", "run a draft service: drives speculative decoding with a target over a Verify stream (n-gram, "
-        "a small draft model or an EAGLE head)", draft)
-    add("train-draft", "train an EAGLE-style draft head for a target by self-distillation", train_draft_cmd)
+        if only is None or name == only:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
+            sp.set_defaults(func=module.main)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(only=next((a for a in argv if a in COMMANDS), "")).parse_args(argv)
     from shared.rpc.server import setup_logging
 
     setup_logging(args.log_level)

@@ -11,9 +11,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from services import options
 from shared.config import add_config_arguments, config_from_args, option
 from shared.engine.config import (
-    DTYPE_HELP,
     check_draft_confidence,
     check_dtype,
     check_speculative_max_seqs,
@@ -25,7 +25,7 @@ from shared.rpc import internal_token
 
 @dataclass(slots=True)
 class ServeConfig:
-    model: str | None = option(None, "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    model: str | None = options.model()
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (default: the model's file or "
                                                  "folder name without extension or quantisation suffix)")
     address: str = option("127.0.0.1:50051", "router gRPC address (the public API)")
@@ -44,33 +44,24 @@ class ServeConfig:
                                        "matmuls, and a second OpenMP thread would spin on the core the target's "
                                        "verification needs next (docs/performance.md)")
     device: str = option("auto", "target device: cpu, cuda or auto")
-    dtype: str = option("auto", "weights and activations of the targets, draft and expert shards: " + DTYPE_HELP)
+    dtype: str = options.dtype("weights and activations of the targets, draft and expert shards: "
+                               + options.DTYPE_HELP)
     expert_shards: int = option(0, "expert shard processes (0 = FFNs run in the target); they listen on the ports "
                                    "after the targets'")
-    expert_placement: str | None = option(None, "placement JSON of FFN units on the expert shards "
-                                                "(default: contiguous)")
+    expert_placement: str | None = options.expert_placement()
     speculative: str | None = option(None, "speculative proposer inside each target: ngram, draft-model:PATH or "
                                            "eagle:PATH")
     draft: str | None = option(None, "start a draft service with this proposer (ngram, draft-model:PATH or "
                                      "eagle:PATH): the router sends speculative requests to it, and it drives "
                                      "a Verify stream to the chosen target")
-    num_speculative_tokens: int = option(3, "default K for speculative decoding")
-    adaptive_speculation: bool = option(True, "the targets adapt each request's K to its acceptance (1 .. K); "
-                                              "false: always K")
+    num_speculative_tokens: int = options.num_speculative_tokens()
+    adaptive_speculation: bool = options.adaptive_speculation()
     speculative_max_requests: int = option(1, "with --draft: requests speculate only while at most this many are "
                                               "in flight at the router (more: plain decoding on the target; "
                                               "0 = always)")
-    speculative_max_seqs: int = option(1, "the targets speculate only while at most this many sequences are "
-                                          "running (more: plain decoding until the batch shrinks; 0 = always). "
-                                          "1 by default: on CPUs a verification's extra rows cost more than "
-                                          "they save once a batch fills the matmuls (docs/performance.md)")
-    draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
-                                                  "probability of its draft path falls below this (0 = always K "
-                                                  "drafts; default: the head's own, from eagle.json)")
-    draft_tree_nodes: int | None = option(None, "eagle heads: greedy requests draft trees (several candidates "
-                                                "per depth, up to K depths, verified in one pass) of this many "
-                                                "nodes per step, shared by the step's greedy sequences; 0 = chains "
-                                                "of K (default: the head's own, from eagle.json)")
+    speculative_max_seqs: int = options.speculative_max_seqs(1)
+    draft_confidence: float | None = options.draft_confidence()
+    draft_tree_nodes: int | None = options.draft_tree_nodes()
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")

@@ -1,11 +1,11 @@
 """One thread for the torch work of a service process.
 
 libgomp (the OpenMP runtime of torch's CPU builds) gives every thread that opens a parallel region its own team of
-worker threads, and once a process holds more OpenMP threads than there are cores, the workers stop spinning
-between regions and sleep instead; a decode step then waits for them to wake up dozens of times. Measured on a
-2-core EPYC (bf16, batch 1): 17 ms a step on the thread that loaded the model, 31-33 ms on a second thread. So a
-service builds its model and runs every step on one thread: the engine's own thread in the target
-(shared.engine.async_engine), this module's in the draft service and the expert shards.
+worker threads, and once a process holds more OpenMP threads than there are cores, the workers stop spinning between
+regions and sleep instead; a decode step then waits for them to wake up dozens of times (a step on a second thread
+took about twice as long: docs/performance.md). So a service builds its model and runs every step on one thread: the
+engine's own thread in the target (shared.engine.async_engine), this module's in the draft service and the expert
+shards.
 """
 from __future__ import annotations
 

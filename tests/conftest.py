@@ -11,7 +11,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # own default ("auto") is bf16 on CPUs with native bf16, tested on its own in tests/integration/test_bf16_serving.py.
 os.environ.setdefault("UPESI_DTYPE", "float32")
 
-from shared.testing.stack import INTERNAL, INTERNAL_TOKEN, ROOT, Stack, free_port  # noqa: E402,F401 (for tests)
+from shared.testing.stack import INTERNAL, INTERNAL_TOKEN, ROOT, Stack  # noqa: E402,F401 (for tests)
+from shared.testing.stack import free_port, free_port_run  # noqa: E402,F401
 
 CHAT_PROMPTS = [
     "Write a short story about a robot learning to paint.",

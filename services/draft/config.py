@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services import options
 from shared.config import option
-from shared.engine.config import DTYPE_HELP, check_dtype, check_draft_confidence, check_tree_shape
+from shared.engine.config import check_draft_confidence, check_dtype, check_tree_shape
 
 
 @dataclass(slots=True)
@@ -17,28 +18,21 @@ class DraftConfig:
     targets: str | None = option(None, "comma-separated host:port of the targets this draft may open Verify streams "
                                        "to (a request naming another is refused with PERMISSION_DENIED); unset = "
                                        "any target the router names")
-    draft_confidence: float | None = option(None, "eagle heads: stop drafting a sequence once the head's "
-                                                  "probability of its draft path falls below this (0 = always K "
-                                                  "drafts; default: the head's own, from eagle.json)")
-    draft_tree_nodes: int | None = option(None, "eagle heads: greedy requests draft trees (several candidates "
-                                                "per depth, up to K depths, verified in one pass) of this many "
-                                                "nodes per step, shared by the step's greedy sequences; 0 = chains "
-                                                "of K (default: the head's own, from eagle.json)")
+    draft_confidence: float | None = options.draft_confidence()
+    draft_tree_nodes: int | None = options.draft_tree_nodes()
     block_size: int = option(16, "tokens per KV block of the draft model")
     kv_blocks: int = option(2048, "KV blocks of the draft model")
     max_model_len: int = option(8192, "longest sequence the draft model handles")
     device: str = option("auto", "cpu, cuda or auto")
-    dtype: str = option("auto", DTYPE_HELP)
+    dtype: str = options.dtype()
     num_threads: int | None = option(None, "torch CPU threads")
     metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
-    tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
-    tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
-    tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
-                                             "clients without one are refused")
-    tls_ca: str | None = option(None, "TLS to the targets (Verify streams): CA (PEM) that verifies them "
-                                      "(set = calls use TLS)")
-    tls_client_cert: str | None = option(None, "mTLS: the client certificate (PEM) presented to the targets")
-    tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
+    tls_cert: str | None = options.tls_cert()
+    tls_key: str | None = options.tls_key()
+    tls_client_ca: str | None = options.tls_client_ca()
+    tls_ca: str | None = options.tls_ca()
+    tls_client_cert: str | None = options.tls_client_cert()
+    tls_client_key: str | None = options.tls_client_key()
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

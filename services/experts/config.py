@@ -5,29 +5,27 @@ from dataclasses import dataclass
 
 import torch
 
+from services import options
 from shared.config import option
-from shared.engine.config import DTYPE_HELP, check_dtype, resolve_device, resolve_dtype, serving_dtype
+from shared.engine.config import check_dtype, resolve_device, resolve_dtype, serving_dtype
 
 
 @dataclass(slots=True)
 class ExpertsConfig:
     address: str = option("127.0.0.1:50071", "gRPC listen address")
     metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
-    model: str | None = option(None, "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    model: str | None = options.model()
     shard_index: int = option(0, "this shard's index, 0 .. num_shards - 1 (its place in the target's --expert-shards)")
     num_shards: int = option(1, "number of expert shards")
-    expert_placement: str | None = option(None, "placement JSON of FFN units on the shards, the same file the target "
-                                                "reads (default: contiguous; dense FFNs split evenly)")
+    expert_placement: str | None = options.expert_placement()
     device: str = option("auto", "cpu, cuda, or auto")
-    dtype: str = option("auto", DTYPE_HELP)
+    dtype: str = options.dtype()
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     progress: bool = option(False, "show a progress bar while reading the checkpoint")
-    nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16), "
-                                          "as the target's flag of the same name")
-    tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
-    tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
-    tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
-                                             "clients without one are refused")
+    nvfp4_act_quant: bool = options.nvfp4_act_quant()
+    tls_cert: str | None = options.tls_cert()
+    tls_key: str | None = options.tls_key()
+    tls_client_ca: str | None = options.tls_client_ca()
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services import options
 from shared.config import option
 
 
@@ -27,14 +28,12 @@ class RouterConfig:
     max_n: int = option(16, "largest n (choices per request)")
     max_stop_strings: int = option(16, "most stop strings per request")
     target_wait_s: float = option(600.0, "how long to wait for the target at start-up")
-    tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
-    tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
-    tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
-                                             "clients without one are refused")
-    tls_ca: str | None = option(None, "TLS to the services this one calls: CA (PEM) that verifies them "
-                                      "(set = calls use TLS)")
-    tls_client_cert: str | None = option(None, "mTLS: the client certificate (PEM) presented to them")
-    tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
+    tls_cert: str | None = options.tls_cert()
+    tls_key: str | None = options.tls_key()
+    tls_client_ca: str | None = options.tls_client_ca()
+    tls_ca: str | None = options.tls_ca()
+    tls_client_cert: str | None = options.tls_client_cert()
+    tls_client_key: str | None = options.tls_client_key()
     api_key: str | None = option(None, "require this API key (authorization: Bearer KEY) on gRPC and HTTP")
     api_keys_file: str | None = option(None, "YAML file of API keys with per-key limits (see services/router/auth.py)")
     request_timeout_s: float = option(600.0, "longest a request may run, from arrival to its last token "

@@ -269,8 +269,9 @@ def _write_config(src: str, cfg: ModelConfig, out: str, layers: dict[str, pol.Pr
 
 def _copy_tokenizer(src: str, out: str, tokenizer) -> None:
     """The tokenizer and chat template, so the folder is self-contained (a GGUF's come from its metadata)."""
-    if is_gguf(src):
-        tokenizer.hf.save_pretrained(out)
+    if is_gguf(src):                               # the folder the GGUF's tokenizer was converted into
+        for name in os.listdir(tokenizer.folder):
+            shutil.copy2(os.path.join(tokenizer.folder, name), os.path.join(out, name))
         return
     for name in TOKENIZER_FILES:
         if os.path.exists(os.path.join(src, name)):

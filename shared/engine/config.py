@@ -13,7 +13,7 @@ from shared.tree import MAX_TREE_NODES
 class EngineConfig:
     model: str | None = None              # .gguf file or Hugging Face folder; None = the default model
     device: str = "auto"                  # auto = cuda when present, else cpu
-    dtype: str = "auto"                   # auto = float32 on cpu, bfloat16 on cuda
+    dtype: str = "float32"                # exact against fp32 references; "auto" as the services' --dtype auto
     block_size: int = 16                  # tokens per KV block
     kv_cache_gb: float = 1.0              # KV memory when num_kv_blocks is not given
     num_kv_blocks: int | None = None
@@ -58,15 +58,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" = bfloat16 on cuda, float32 on cpu (exact against fp32 references: the library's default)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    """A dtype name -> torch's dtype; "auto" as `serving_dtype` resolves it."""
+    return getattr(torch, serving_dtype(name, device))
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DTYPE_HELP = ("float32, bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 matmuls, "
-              "AVX512-BF16 or AMX; else float32)")
 
 
 def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES, what: str = "dtype") -> None:

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from shared.engine.sequence import Sequence
 
-
 CANDIDATES = 256          # tokens a filtered row looks at first (topk 0.12 ms a row against a 4.2 ms full sort)
 
 

@@ -73,7 +73,7 @@ def _gguf_field(reader, key: str, default=None):
 @functools.lru_cache(maxsize=2)
 def _reader(path: str, mtime_ns: int, size: int):
     """A GGUFReader shared by the config and the weights of one start-up: opening one parses every metadata field
-    (the tokenizer's 100k strings, 3.6 s for the default model on the AVX2 EPYC). `_gguf_weights` drops it once the
+    (the tokenizer's 100k strings: seconds for the default model). `_gguf_weights` drops it once the
     weights are read (it holds about 160 MB); the config stays cached on its own."""
     import gguf
 

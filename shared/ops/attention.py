@@ -12,7 +12,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q [T, H, Dh] against the paged cache -> [T, H, Dh]."""
     if q.is_cuda and all(m.shape[0] <= MAX_TREE for m in meta.tree_masks.values()):   # bigger trees: the reference
-        from shared.ops.paged_attention_triton import paged_attention_triton   # imported only where it runs
+        from shared.ops.paged_attention_triton import paged_attention_triton  # imported only where it runs
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     if cpu_attention.supports(q, k_cache):
         return cpu_attention.paged_attention(q, k_cache, v_cache, meta, scale)

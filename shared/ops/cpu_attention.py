@@ -3,7 +3,7 @@ short prefill chunks; the torch reference (shared.ops.paged_attention) is what i
 
 A decode step of the default model spends more time in the glue around attention than in it: per layer the torch
 path gathers every cached block of K and of V into new tensors, builds a mask, splits, rotates and stores K/V in a
-dozen small ops (about 150 us of a 490 us layer on a 2-core EPYC, bf16, batch 1). The C kernel reads K/V in place
+dozen small ops (close to a third of a layer's time at batch 1: docs/performance.md). The C kernel reads K/V in place
 through the block table, one query row at a time, positions in order, so a row's result does not depend on the
 rows beside it (a verification row equals the decode row it stands for). Sequences with more than MAX_ROWS new
 tokens (long prefills) stay on the reference, whose SDPA is faster there.

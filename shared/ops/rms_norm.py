@@ -1,7 +1,7 @@
 """RMSNorm on CPU in C (rms_norm.c): one call instead of the torch path's six small ops per norm.
 
 A decode step of the default model runs 61 norms; each is a handful of tiny tensor ops whose dispatch costs more
-than their arithmetic (about 14 us a norm on a 2-core EPYC, against 3 us for the C call). The reference is the
+than their arithmetic; the C call costs a fraction of that (docs/performance.md). The reference is the
 torch path of shared.model.llama.RMSNorm (tests/unit/test_rms_norm.py); results agree to the last bit or two of
 the sum of squares (another summation order). Built with shared.ops.c_build at first use; UPESI_CPU_NORM=0, no
 compiler or a failed self-check leave the torch path. Shapes: T = rows, D = features (at most 8192).

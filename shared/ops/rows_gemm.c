@@ -6,8 +6,8 @@
  * over k in the same order (FMA within chunks of 128, then chunk by chunk), so a row's result does not depend on M
  * or on how rows are tiled: a verification step computes each row exactly as a one-row decode does.
  * From 3 rows on, a panel's first tile also prefetches the next panel, one cache line (a k row of 16 floats) per
- * k, so that memory streams the next weights while the core computes on this panel's rows: 9 rows 39.5 -> 35.2 ms
- * a step at 1 thread (median; /tmp A/B on the AVX2 EPYC), 1-2 rows unchanged (they stream at memory speed anyway).
+ * k, so that memory streams the next weights while the core computes on this panel's rows (one or two rows stream
+ * at memory speed without it).
  * Panels are split across `threads` OpenMP threads (the runtime torch loaded: libgomp.so.1).
  * Built at first use by shared/ops/rows_gemm.py; its torch reference is F.linear (tests/unit/test_rows_gemm.py).
  */

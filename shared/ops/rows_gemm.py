@@ -1,12 +1,11 @@
 """fp32 linear layers with their weights prepacked in panels, for CPUs with AVX2 + FMA (rows_gemm.c).
 
-MKL, oneDNN and OpenBLAS run fp32 matmuls of the few rows of a decode or verification step at a fraction of an
-AVX2 core's peak (README, Benchmarks): on the AVX2 EPYC, the default model's linear layers took 44 ms at 1 row and
-102 ms at 9, so verifying K drafts cost more than speculation gained. The kernel here reads each 16-column panel of
-the weight once per call and runs every row of x over it from cache (12 accumulators of 8 floats), which keeps 9
-rows near the cost of one (bench/bench_matmul_rows.py: `f32-rows`). Every output is summed over k in order, so a
-row's result does not depend on how many rows share the call: a verification row is computed exactly as a decode
-row, and a prefill row too.
+MKL, oneDNN and OpenBLAS run fp32 matmuls of the few rows of a decode or verification step at a fraction of an AVX2
+core's peak, so that verifying K drafts cost more than speculation gained (figures: docs/benchmarks.md). The kernel
+here reads each 16-column panel of the weight once per call and runs every row of x over it from cache (12
+accumulators of 8 floats), which keeps 9 rows near the cost of one (bench/bench_matmul_rows.py: `f32-rows`). Every
+output is summed over k in order, so a row's result does not depend on how many rows share the call: a verification
+row is computed exactly as a decode row, and a prefill row too.
 
 The C source is compiled at first use (gcc or cc, -O3 -mavx2 -mfma -fopenmp, under ~/.cache/upesi/kernels or
 $UPESI_KERNEL_CACHE, keyed by the source's hash) and loaded with ctypes; it links the OpenMP runtime torch has

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from shared.testing.stack import free_port_run  # noqa: F401 (tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = {"vocab_size": 112, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -97,26 +99,6 @@ def save_tokenizer(path: str | Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")                      # joins words with spaces
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
-
-
-def free_port_run(n: int) -> int:
-    """A port p with p .. p + n - 1 all free (`upesi serve` puts the expert shards on the ports after the target's)."""
-    import socket
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        socks = []
-        try:
-            for port in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
 
 
 def hf_greedy(model, prompts: list[list[int]] = PROMPTS, tokens: int = 32) -> list[list[int]]:

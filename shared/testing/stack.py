@@ -26,6 +26,22 @@ def free_port() -> int:
             return port
 
 
+def free_port_run(n: int) -> int:
+    """A port p with p .. p + n - 1 all free (`upesi serve` puts the expert shards on the ports after the target's)."""
+    while True:
+        base, socks = free_port(), []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 # The internal token of the stacks tests start (`upesi serve` keeps one it is given), for tests that call internal
 # services directly or add a service to a running stack; `INTERNAL` is the metadata such calls carry.
 INTERNAL_TOKEN = "upesi-tests-internal-token"

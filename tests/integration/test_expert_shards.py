@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import CHAT_PROMPTS, INTERNAL, ROOT, Stack, free_port
+from tests.conftest import CHAT_PROMPTS, INTERNAL, ROOT, Stack, free_port, free_port_run
 from upesi.v1 import experts_pb2, experts_pb2_grpc, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from upesi.v1 import generation_pb2 as pb
 
@@ -36,28 +35,10 @@ BATCH = ["What is the capital of Italy?", "Give me a synonym for happy.", "Count
          "Describe a cat in one sentence.", "Translate 'good morning' to French."]
 
 
-def _free_run(n: int) -> int:
-    """A port p with p .. p + n - 1 all free: the target's, then the shards' (`upesi serve` puts them after it)."""
-    while True:
-        base = free_port()
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}shards")
 def stack(request, tmp_path_factory):
     n = request.param
-    target_port = _free_run(n + 1)
+    target_port = free_port_run(n + 1)
     s = Stack(tmp_path_factory.mktemp(f"experts{n}"),
               ["--expert-shards", str(n), "--target-address", f"127.0.0.1:{target_port}"])
     s.num_shards, s.target_address = n, f"127.0.0.1:{target_port}"

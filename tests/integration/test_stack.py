@@ -142,3 +142,16 @@ def test_the_openai_api_serves_a_clean_model_name(stack):
     with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/v1/models", timeout=30) as r:
         models = json.load(r)["data"]
     assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
+
+
+def test_the_running_router_has_not_loaded_torch(stack):
+    """The router only tokenises and routes: its process maps no libtorch (the target's does)."""
+    import pathlib
+    children = pathlib.Path(f"/proc/{stack.proc.pid}/task/{stack.proc.pid}/children").read_text().split()
+    maps = {}
+    for pid in children:
+        cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        role = cmd[3].decode() if len(cmd) > 3 else ""           # python -m services.cli ROLE ...
+        maps[role] = pathlib.Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" in maps["target"]
+    assert "libtorch" not in maps["router"]

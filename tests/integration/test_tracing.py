@@ -12,7 +12,6 @@ with spans from the router, target, draft and expert services, parented as the r
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -23,7 +22,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from tests.conftest import Stack, free_port
+from tests.conftest import Stack, free_port, free_port_run
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc
 
@@ -52,22 +51,6 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
             return list(self.spans)
 
 
-def _free_run(n: int) -> int:
-    """A port p with p .. p + n - 1 all free (a target and its shards, or the shards' /metrics ports)."""
-    while True:
-        base, socks = free_port(), []
-        try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-
-
 def _scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
@@ -90,8 +73,8 @@ def traced(tmp_path_factory):
     mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
     mp.delenv("OTEL_TRACES_EXPORTER", raising=False)
     mp.delenv("OTEL_SERVICE_NAME", raising=False)
-    ports = {"draft": free_port(), "experts": _free_run(2)}
-    target = _free_run(3)                      # the target, then its two shards on the next ports
+    ports = {"draft": free_port(), "experts": free_port_run(2)}
+    target = free_port_run(3)                      # the target, then its two shards on the next ports
     stack = Stack(tmp_path_factory.mktemp("tracing"),
                   ["--draft", "ngram", "--draft-address", f"127.0.0.1:{free_port()}", "--num-speculative-tokens", "3",
                    "--draft-metrics-port", str(ports["draft"]), "--expert-shards", "2",

@@ -147,6 +147,8 @@ def test_the_router_process_loads_no_torch():
     code = ("import sys\n"
             "import services.router.main, services.router.servicer, services.router.frontend\n"
             "import services.router.openai_api, services.router.http, services.router.auth\n"
+            "from services.cli import build_parser\n"
+            "build_parser(only='router').parse_args(['router', '--target', '127.0.0.1:1'])\n"
             "heavy = ('shared.engine.', 'shared.model.')\n"
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(heavy))\n"
             "print(bad)\n")

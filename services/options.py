@@ -1,0 +1,85 @@
+"""Options that several services take, each declared once: its default and help text. A service's config dataclass
+uses these factories for its fields (`dtype: str = options.dtype()`); `upesi serve` passes them on to the services
+it starts under the same flag names."""
+from __future__ import annotations
+
+from typing import Any
+
+from shared.config import option
+
+DTYPE_HELP = ("float32, bfloat16, float16 or auto (bfloat16 on cuda and on CPUs with native bf16 matmuls, "
+              "AVX512-BF16 or AMX; else float32)")
+MODEL_HELP = "model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)"
+
+
+def model(help: str = MODEL_HELP) -> Any:
+    return option(None, help)
+
+
+def dtype(help: str = DTYPE_HELP) -> Any:
+    return option("auto", help)
+
+
+def device(help: str = "cpu, cuda or auto") -> Any:
+    return option("auto", help)
+
+
+# ---------------------------------------------------------------- speculative decoding
+def num_speculative_tokens() -> Any:
+    return option(3, "default K, the draft tokens verified per step")
+
+
+def adaptive_speculation() -> Any:
+    return option(True, "each request's K follows its acceptance (one more after all drafts were accepted, one "
+                        "fewer after none, between 1 and K); false: always K")
+
+
+def speculative_max_seqs(default: int) -> Any:
+    return option(default, "the targets speculate only while at most this many sequences are running; with more, "
+                           "every sequence decodes plainly until the batch shrinks (on CPUs a verification's extra "
+                           "rows cost more than they save once a batch fills the matmuls; 0 = always)")
+
+
+def draft_confidence() -> Any:
+    return option(None, "eagle heads: stop drafting a sequence once the head's probability of its draft path falls "
+                        "below this (0 = always K drafts; default: the head's own, from eagle.json)")
+
+
+def draft_tree_nodes() -> Any:
+    return option(None, "eagle heads: greedy requests draft trees (several candidates per depth, up to K depths, "
+                        "verified in one pass) of this many nodes per step, shared by the step's greedy sequences; "
+                        "0 = chains of K (default: the head's own, from eagle.json)")
+
+
+def nvfp4_act_quant() -> Any:
+    return option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
+
+
+def expert_placement() -> Any:
+    return option(None, "placement JSON of FFN units on the expert shards (default: contiguous)")
+
+
+# ---------------------------------------------------------------- TLS of one service
+def tls_cert() -> Any:
+    return option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
+
+
+def tls_key() -> Any:
+    return option(None, "TLS: this server's private key (PEM)")
+
+
+def tls_client_ca() -> Any:
+    return option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = clients without one are "
+                        "refused")
+
+
+def tls_ca() -> Any:
+    return option(None, "TLS to the services this one calls: CA (PEM) that verifies them (set = calls use TLS)")
+
+
+def tls_client_cert() -> Any:
+    return option(None, "mTLS: the client certificate (PEM) presented to the services this one calls")
+
+
+def tls_client_key() -> Any:
+    return option(None, "mTLS: the client certificate's private key (PEM)")
