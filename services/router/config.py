@@ -12,6 +12,9 @@ class RouterConfig:
     address: str = option("127.0.0.1:50051", "public gRPC listen address")
     http_host: str = option("127.0.0.1", "HTTP host for /health and /metrics")
     http_port: int = option(8000, "HTTP port (0 = off)")
+    http_max_connections: int = option(1024, "open HTTP connections and requests at once; beyond it the HTTP port "
+                                             "answers 503 at once (requests in flight are limited separately by "
+                                             "--max-concurrent-requests)")
     target: str = option("127.0.0.1:50061", "target replica addresses, comma-separated")
     draft: str | None = option(None, "draft replica addresses, comma-separated: speculative requests go through "
                                      "them, each driving a Verify stream to the chosen target (default: none)")
@@ -54,8 +57,8 @@ class RouterConfig:
         return [a.strip() for a in (self.draft or "").split(",") if a.strip()]
 
     def __post_init__(self) -> None:
-        if self.max_concurrent_requests < 1 or self.max_n < 1:
-            raise ValueError("max_concurrent_requests and max_n must be positive")
+        if min(self.max_concurrent_requests, self.max_n, self.http_max_connections) < 1:
+            raise ValueError("max_concurrent_requests, max_n and http_max_connections must be positive")
         if self.speculative_max_requests < 0:
             raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
         if self.request_timeout_s <= 0:

@@ -35,8 +35,11 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def start_http(app: FastAPI, host: str, port: int) -> tuple[_Server, asyncio.Task]:
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+async def start_http(app: FastAPI, host: str, port: int, max_connections: int | None = None
+                     ) -> tuple[_Server, asyncio.Task]:
+    """Serves `app`; beyond `max_connections` open connections and tasks, uvicorn answers 503 at once."""
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                    limit_concurrency=max_connections))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

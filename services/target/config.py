@@ -29,6 +29,9 @@ class TargetConfig:
     num_kv_blocks: int | None = option(None, "number of KV blocks (overrides --kv-cache-gb)")
     max_num_seqs: int = option(64, "most sequences in the running batch")
     max_num_batched_tokens: int = option(512, "most tokens per forward step (chunked-prefill budget)")
+    max_waiting_seqs: int = option(1024, "most sequences waiting for a place in the batch; a request beyond it is "
+                                         "refused with RESOURCE_EXHAUSTED (the router tries it again elsewhere or "
+                                         "answers 429) instead of queueing without bound")
     max_model_len: int | None = option(None, "context window in tokens (default: the model's)")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     wide_threads: int | None = option(None, "torch CPU threads of forward steps over 4 or more rows (a draft "

@@ -10,6 +10,7 @@ from shared import metrics, telemetry
 from shared.config import add_config_arguments, config_from_args
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import LLMEngine
+from shared.registry.factory import redacted
 from shared.rpc.server import Service, run_server
 from shared.spec.factory import build_engine
 
@@ -134,7 +135,7 @@ async def serve(cfg: TargetConfig) -> None:
 
     log.info("model %s (%s): %d KV blocks of %d tokens, context %d, registry %s", engine.model_path,
              engine.cfg.dtype, engine.block_manager.num_blocks, cfg.block_size, engine.max_model_len,
-             cfg.registry or "none")
+             redacted(cfg.registry))
     await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_stop=stop)
 
 

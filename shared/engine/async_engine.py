@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Callable
 
 from shared.engine.engine import Delta, LLMEngine
-from shared.errors import EngineDead
+from shared.errors import EngineDead, Overloaded
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -114,25 +114,31 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self.error = e
             for loop, q in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, e)
+                _post(loop, q.put_nowait, e)
 
     def _fail_all(self, err: Exception) -> None:
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
         for loop, q in list(self._streams.values()):
-            loop.call_soon_threadsafe(q.put_nowait, err)
+            _post(loop, q.put_nowait, err)
         self._streams.clear()
 
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "add":
             _, rid, prompt, params, loop, out, done = msg
             try:
+                waiting = len(self.engine.scheduler.waiting)
+                if waiting >= self.engine.cfg.max_waiting_seqs:      # backpressure: the caller retries elsewhere
+                    raise Overloaded(f"{waiting} sequences are already waiting for a batch slot "
+                                     f"(max_waiting_seqs); try again later")
                 self.engine.add_request(rid, prompt, params)
             except Exception as e:
-                loop.call_soon_threadsafe(_settle, done, e)
+                _post(loop, _settle, done, e)
                 return
             self._streams[rid] = (loop, out)
-            loop.call_soon_threadsafe(_settle, done, None)
+            if not _post(loop, _settle, done, None):          # the caller's event loop is gone: nobody reads it
+                self._streams.pop(rid, None)
+                self.engine.abort(rid)
         elif msg[0] == "abort":
             self._deliver(self.engine.abort(msg[1], msg[2]))
 
@@ -142,10 +148,22 @@ class AsyncEngine:
             if entry is None:
                 continue
             loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, d)
+            if not _post(loop, q.put_nowait, d):
+                self._streams.pop(d.request_id, None)
+                self.engine.abort(d.request_id)
         for rid in {d.request_id for d in deltas if d.finish_reason}:
             if rid not in self.engine.requests:
                 self._streams.pop(rid, None)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
+    """Runs fn(*args) on a caller's event loop; False where that loop has closed (its caller is gone), which must
+    never stop the engine thread."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _settle(fut: asyncio.Future, err: BaseException | None) -> None:

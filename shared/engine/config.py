@@ -19,6 +19,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64                # sequences in the running batch
     max_num_batched_tokens: int = 512     # tokens per forward step (chunked prefill budget)
+    max_waiting_seqs: int = 1024          # serving (AsyncEngine): sequences waiting for a batch slot before new
+                                          # requests are refused (Overloaded); the offline API queues any number
     max_model_len: int | None = None      # None = the model's context window
     num_threads: int | None = None        # torch intra-op threads on cpu
     wide_threads: int | None = None       # threads of forward steps of WIDE_ROWS rows or more (None = num_threads)
@@ -34,8 +36,8 @@ class EngineConfig:
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting_seqs) < 1:
+            raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and max_waiting_seqs must be positive")
         check_speculative_max_seqs(self.speculative_max_seqs)
         check_wide_threads(self.wide_threads)
         if self.kv_cache_gb <= 0:

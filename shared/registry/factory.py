@@ -36,3 +36,14 @@ def open_registry(url: str | None, *, lease_s: float = DEFAULT_LEASE_S) -> Prefi
     if backend is None:
         raise ValueError(f"unknown registry URL {url!r}: use 'memory' or 'redis://host:port/db'")
     return backend(url, lease_s)
+
+
+def redacted(url: str | None) -> str:
+    """A registry URL fit for logs: its password (redis://:SECRET@host) replaced by ***."""
+    if not url:
+        return "none"
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    return parts._replace(netloc=f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")).geturl()

@@ -51,12 +51,12 @@ INTERNAL = [("x-upesi-internal-token", INTERNAL_TOKEN)]
 class Stack:
     """`upesi serve` on free ports, as a user runs it."""
 
-    def __init__(self, tmp: Path, extra: list[str] | None = None) -> None:
+    def __init__(self, tmp: Path, extra: list[str] | None = None, target_address: str | None = None) -> None:
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.grpc_port}"
         self.log = tmp / "serve.log"
         cmd = [sys.executable, "-m", "services.cli", "serve", "--address", self.address,
-               "--http-port", str(self.http_port), "--target-address", f"127.0.0.1:{free_port()}",
+               "--http-port", str(self.http_port), "--target-address", target_address or f"127.0.0.1:{free_port()}",
                "--target-metrics-port", str(self.metrics_port), "--kv-cache-gb", "0.5", *(extra or [])]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      env={"UPESI_INTERNAL_TOKEN": INTERNAL_TOKEN, **os.environ})

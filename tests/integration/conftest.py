@@ -3,17 +3,12 @@ may `stop()` and `restart()` on the same port; `redis_url` is its URL."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-_TESTS = str(Path(__file__).resolve().parents[1])  # tests/, home of the redis_server helper
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-
-from redis_server import RedisServer  # noqa: E402 - needs the sys.path entry above
+from shared.testing.redis_server import RedisServer
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from shared.testing.redis_server import RedisServer
 from tests.conftest import INTERNAL_TOKEN, ROOT, Stack, free_port
-from tests.redis_server import RedisServer
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc, target_pb2, target_pb2_grpc
 

@@ -14,8 +14,7 @@ from shared.registry.base import BlockHash, RegistryUnavailable, ReplicaId, Repl
 from shared.registry.factory import open_registry
 from shared.registry.publisher import BlockPublisher
 from shared.registry.redis_backend import RedisRegistry
-
-from redis_server import RedisServer  # tests/, put on sys.path by conftest.py
+from shared.testing.redis_server import RedisServer
 
 A, B = ReplicaId("target-a:50052"), ReplicaId("target-b:50052")
 IDLE = ReplicaLoad()

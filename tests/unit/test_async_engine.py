@@ -46,3 +46,31 @@ def test_a_refused_request_raises_and_aborts_nothing(tiny_llama_dir):
         assert eng._inbox.empty()
     finally:
         eng.stop()
+
+
+def test_a_full_waiting_queue_refuses_new_requests_until_it_drains(tiny_llama_dir):
+    """Serving applies backpressure (Overloaded: RESOURCE_EXHAUSTED at the edge) once max_waiting_seqs sequences
+    wait for a batch slot; the refused request leaves nothing behind and later ones are admitted again."""
+    from shared.errors import Overloaded
+    eng = AsyncEngine(lambda: LLMEngine(EngineConfig(model=tiny_llama_dir, progress=False, kv_cache_gb=0.01,
+                                                     max_model_len=256, max_num_seqs=1, max_waiting_seqs=2)))
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def run() -> list:
+        streams = [eng.generate(r, [1, 2, 3], params) for r in ("a", "b", "c", "d")]
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        return firsts
+    try:
+        firsts = asyncio.run(run())
+        refused = [f for f in firsts if isinstance(f, Overloaded)]
+        assert refused and all("max_waiting_seqs" in str(f) for f in refused)
+        assert len(refused) < len(firsts)                       # the first requests were served
+        deadline = time.monotonic() + 60
+        while eng.engine.requests or eng.engine.has_unfinished():
+            assert time.monotonic() < deadline, "closed streams left requests running"
+            time.sleep(0.01)
+        assert eng.engine.block_manager.num_used_blocks == 0
+    finally:
+        eng.stop()

@@ -27,6 +27,7 @@ import subprocess
 import sys
 from concurrent import futures
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -45,6 +46,8 @@ OLDEST_K8S = "1.27"                        # gRPC probes are GA from 1.27
 IMAGE = "upesi:latest"
 UPESI_PORTS = {"router": 50051, "target": 50061, "draft": 50071, "experts": 50081}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+ENV_ONLY = {"UPESI_INTERNAL_TOKEN"}        # read from the environment alone (shared/rpc/internal_token.py), no flag
+SECRET = ("upesi-internal", "token")       # the Secret (and key) holding the internal token, made by the user
 
 
 # --------------------------------------------------------------------------------------------------------- helpers
@@ -106,7 +109,7 @@ def _check_command(argv: list[str], env: dict[str, str], cli: dict[str, argparse
     unknown = used - _flags(sub)
     assert not unknown, f"{where}: `upesi {argv[0]}` has no flag {sorted(unknown)} (it has {sorted(_flags(sub))})"
     upesi_env = {k for k in (env if own_env is None else own_env) if k.startswith("UPESI_")}
-    allowed = _env_names(sub) | ({"UPESI_ADDRESS"} if _not_available_yet(sub) else set())
+    allowed = _env_names(sub) | ENV_ONLY | ({"UPESI_ADDRESS"} if _not_available_yet(sub) else set())
     assert upesi_env <= allowed, f"{where}: `upesi {argv[0]}` reads no {sorted(upesi_env - allowed)}"
     with _env({k: str(v) for k, v in env.items() if k.startswith("UPESI_")}):
         from services.cli import build_parser
@@ -187,6 +190,8 @@ def _container_env(container: dict, configmaps: dict[str, dict]) -> dict[str, st
     for e in container.get("env", []):
         if "value" in e:
             env[e["name"]] = e["value"]
+        elif "secretKeyRef" in e.get("valueFrom", {}):
+            env[e["name"]] = "from-a-secret"
     return env
 
 
@@ -310,6 +315,44 @@ def test_upesi_pods(objects, cli):
     assert seen == {"router", "target", "draft", "experts"}
 
 
+def test_secret_redis_password_and_network_policies(objects):
+    """Every Upesi pod reads the internal token from the Secret, Redis requires it as its password and the
+    registry URLs carry it; Upesi pods accept connections from Upesi pods only, except the router's public ports
+    and the /metrics ports."""
+    def from_secret(c: dict, name: str) -> bool:
+        e = next((e for e in c.get("env", []) if e["name"] == name), None)
+        ref = (e or {}).get("valueFrom", {}).get("secretKeyRef", {})
+        return (ref.get("name"), ref.get("key")) == SECRET and not ref.get("optional", False)
+
+    for w in _of_kind(objects, *WORKLOAD_KINDS):
+        for c in _pod_spec(w)["containers"]:
+            where = f"{w['kind']}/{w['metadata']['name']}"
+            if c in _upesi_containers(w):
+                names = [e["name"] for e in c.get("env", [])]
+                assert from_secret(c, "UPESI_INTERNAL_TOKEN"), f"{where}: UPESI_INTERNAL_TOKEN from {SECRET}"
+                if "UPESI_REGISTRY" in names:              # $(VAR) expands only variables defined before it
+                    assert names.index("UPESI_INTERNAL_TOKEN") < names.index("UPESI_REGISTRY"), where
+                    url = urlsplit(next(e["value"] for e in c["env"] if e["name"] == "UPESI_REGISTRY"))
+                    assert (url.hostname, url.password) == ("upesi-redis", "$(UPESI_INTERNAL_TOKEN)"), where
+            elif c["name"] == "redis":
+                assert from_secret(c, "REDISCLI_AUTH") and c["args"][-2:] == ["--requirepass", "$(REDISCLI_AUTH)"]
+    for cm in _of_kind(objects, "ConfigMap"):
+        assert "UPESI_REGISTRY" not in cm.get("data", {}), "the registry URL holds the password: set it per pod"
+    policies = {p["metadata"]["name"]: p["spec"] for p in _of_kind(objects, "NetworkPolicy")}
+    internal, public = policies["upesi-internal"], policies["upesi-router-public"]
+    upesi = {"app.kubernetes.io/name": "upesi"}
+    assert internal["podSelector"]["matchLabels"] == upesi and internal["policyTypes"] == ["Ingress"]
+    open_ports = set()
+    for rule in internal["ingress"]:
+        if rule.get("ports"):
+            open_ports |= {p["port"] for p in rule["ports"]}
+        else:
+            assert rule["from"] == [{"podSelector": {"matchLabels": upesi}}], "all ports: Upesi pods only"
+    assert open_ports == {8061, 8071, 8081}, "beyond Upesi pods, only the /metrics ports"
+    assert public["podSelector"]["matchLabels"] == upesi | {"app.kubernetes.io/component": "router"}
+    assert [sorted(p["port"] for p in r["ports"]) for r in public["ingress"]] == [[8000, 50051]]
+
+
 def test_configmap_keys_are_upesi_settings(objects, cli):
     readers = {"router", "target", "draft", "experts"}
     known = set().union(*(_env_names(cli[c]) for c in readers))
@@ -366,7 +409,7 @@ def test_services_pdbs_and_addresses(objects, cli):
         "the target's replica id must be an address the router dials (registry entries are keyed by it)"
     for ns, who in ((router, "router"), (target, "target")):
         assert ns.registry, f"{who}: no registry"
-        m = re.fullmatch(r"redis://([^:/]+):(\d+)/\d+", ns.registry)
+        m = re.fullmatch(r"redis://(?::[^@/]+@)?([^:/@]+):(\d+)/\d+", ns.registry)
         assert m, f"{who}: registry {ns.registry} is not redis://host:port/db"
         service_port(f"{m[1]}:{m[2]}", f"{who} --registry")
     assert router.registry == target.registry
@@ -461,8 +504,9 @@ def test_compose_commands_use_real_flags(compose, cli):
         host, port = _hostport(a)
         assert host in services and port == _port(parsed[host].address), f"router --target {a}: no such service"
     assert target.replica_id in router_targets, "the target's replica id must be an address the router dials"
-    for ns in (router, target):
-        assert ns.registry == "redis://redis:6379/0"
+    for name in ("router", "target"):                 # Redis's password is the internal token
+        url = urlsplit(services[name]["environment"]["UPESI_REGISTRY"])
+        assert (url.hostname, url.port, url.password) == ("redis", 6379, "${UPESI_INTERNAL_TOKEN}"), url
     assert target.metrics_port == 8061 and router.http_port == 8000 and router.http_host == "0.0.0.0"
     host, port = _hostport(router.draft)
     assert host == "draft" and port == _port(parsed["draft"].address), f"router --draft {router.draft}"
@@ -485,6 +529,21 @@ def test_compose_publishes_only_the_router_on_loopback(compose):
     assert mappings == {(50051, 50051), (8000, 8000)}
     for svc in compose["services"].values():
         assert svc.get("network_mode") != "host"
+
+
+def test_compose_closes_the_internal_plane(compose):
+    """Internal services require the token (which compose refuses to start without), Redis requires it as its
+    password, and the draft opens Verify streams to the compose target only."""
+    services = compose["services"]
+    required = "${UPESI_INTERNAL_TOKEN:?"
+    for name, svc in services.items():
+        if name != "redis":
+            assert svc["environment"]["UPESI_INTERNAL_TOKEN"].startswith(required), f"{name}: no internal token"
+    redis = services["redis"]
+    assert redis["command"][-2] == "--requirepass" and redis["command"][-1].startswith(required)
+    assert redis["environment"]["REDISCLI_AUTH"].startswith(required), "the health check's redis-cli needs it"
+    argv = _compose_command(services["draft"])
+    assert argv[argv.index("--targets") + 1] == "target:50061"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A real `redis-server` for tests: a free port on 127.0.0.1, its own temp dir, no persistence, restartable in place.
 
-Usage (or the `redis_server` fixture of tests/integration/conftest.py):
+Used by tests (the `redis_server` fixture of tests/integration/conftest.py) and bench/chaos.py:
     server = RedisServer(tmp_path).start()
     server.url          # "redis://127.0.0.1:<port>/0"
     server.stop()       # SIGTERM; the data is gone (--save "" --appendonly no)
@@ -109,6 +109,14 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would end it, and wait until it has exited."""
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        proc.kill()
+        proc.wait()
 
     def restart(self) -> RedisServer:
         """Stop, then start an empty server on the same port."""
