@@ -204,15 +204,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the configurations")
     p.add_argument("--dtype", default="auto", help="the stacks' --dtype (auto: bf16 on CPUs with native bf16)")
     args = p.parse_args()
-    import torch
-
-    from shared.engine.config import serving_dtype
-    from shared.spec.eagle import EagleConfig
+    from shared.spec.eagle_proposer import SERVING
 
     results = measure_stacks(args)
     c = measure_cost_ratio(args.head, args.k, args.threads, args.dtype)
-    dtype = getattr(torch, serving_dtype(args.dtype, torch.device("cpu")))
-    nodes = EagleConfig.read(args.head).default_tree_nodes(dtype)               # what the stacks draft by default
+    nodes = SERVING.tree_nodes                                                  # what the stacks draft by default
     c_tree = measure_cost_ratio(args.head, args.k, args.threads, args.dtype, tree_nodes=nodes) if nodes else c
     print(f"\ndefault model, greedy, {args.tokens} tokens, K = {args.k}, dtype {args.dtype}, c = {c:.3f} "
           f"(head step / target step; a depth of the head's {nodes}-node trees: {c_tree:.3f}; the bound is the "

@@ -17,6 +17,7 @@ from shared.engine.config import (
     check_draft_confidence,
     check_dtype,
     check_speculative_max_seqs,
+    check_tree_ngram,
     check_tree_shape,
     check_wide_threads,
 )
@@ -62,6 +63,7 @@ class ServeConfig:
     speculative_max_seqs: int = options.speculative_max_seqs(1)
     draft_confidence: float | None = options.draft_confidence()
     draft_tree_nodes: int | None = options.draft_tree_nodes()
+    draft_tree_ngram: int | None = options.draft_tree_ngram()
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")
@@ -82,6 +84,7 @@ class ServeConfig:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
+        check_tree_ngram(self.draft_tree_ngram)
         check_speculative_max_seqs(self.speculative_max_seqs)
         if self.speculative_max_requests < 0:
             raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
@@ -254,6 +257,8 @@ def main(args: argparse.Namespace) -> None:
         confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
         if cfg.draft_tree_nodes is not None:
             confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]
+        if cfg.draft_tree_ngram is not None:
+            confidence += ["--draft-tree-ngram", str(cfg.draft_tree_ngram)]
         if cfg.speculative:
             spec += ["--speculative", cfg.speculative, *confidence]
         if cfg.draft:

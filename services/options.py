@@ -42,13 +42,18 @@ def speculative_max_seqs(default: int) -> Any:
 
 def draft_confidence() -> Any:
     return option(None, "eagle heads: stop drafting a sequence once the head's probability of its draft path falls "
-                        "below this (0 = always K drafts; default: the head's own, from eagle.json)")
+                        "below this (0 = always K drafts; default: 0.15)")
 
 
 def draft_tree_nodes() -> Any:
     return option(None, "eagle heads: greedy requests draft trees (several candidates per depth, up to K depths, "
                         "verified in one pass) of this many nodes per step, shared by the step's greedy sequences; "
-                        "0 = chains of K (default: the head's own, from eagle.json)")
+                        "0 = chains of K (default: 8)")
+
+
+def draft_tree_ngram() -> Any:
+    return option(None, "eagle heads: graft prompt lookup's continuation of up to this many tokens onto each "
+                        "greedy tree (0 = off; default: 4)")
 
 
 def nvfp4_act_quant() -> Any:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from shared.config import add_config_arguments, config_from_args, option
-from shared.engine.config import check_draft_confidence, check_dtype
+from shared.engine.config import check_dtype
 
 DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                                "draft_prompts_large.txt")
@@ -63,9 +63,6 @@ class TrainDraftConfig:
                                         "(a head retrained with --init can learn from answers it has not seen)")
     greedy_answers: bool = option(True, "train on the greedy answer of every prompt too (false: sampled ones only)")
     sample_temperature: float = option(0.8, "temperature of the sampled answers")
-    draft_confidence: float = option(0.15, "written into the head's eagle.json: serving stops a draft once the head's "
-                                          "probability of its draft path falls below this (0 = always K; "
-                                          "--draft-confidence of the services overrides it)")
     answer_loss_only: bool = option(True, "count the loss only where the head drafts in serving: positions of the "
                                           "target's answer (the prompt stays in the attention context); false: "
                                           "every position, user text included")
@@ -74,7 +71,6 @@ class TrainDraftConfig:
         if min(self.epochs, self.batch_size, self.draft_vocab, self.held_out, self.unroll) < 1:
             raise ValueError("epochs, batch_size, draft_vocab, held_out and unroll must be positive")
         check_dtype(self.target_dtype, what="target_dtype")
-        check_draft_confidence(self.draft_confidence)
         check_dtype(self.train_dtype, ("auto", "float32", "bfloat16"), "train_dtype")   # autocast: bf16 or none
         if self.sampled_answers < 0 or self.sample_temperature <= 0 or self.first_sample_round < 1:
             raise ValueError("sampled_answers must be >= 0, sample_temperature positive and first_sample_round >= 1")
@@ -363,7 +359,6 @@ def main(args: argparse.Namespace) -> None:
     # In serving the first draft reads the pair (last prompt feature, first answer token): pair len(prompt) - 1.
     starts = [len(p) - 1 for p in seq_prompts] if cfg.answer_loss_only else None
     train(head, seqs, feats, cfg, starts)
-    head.cfg.draft_confidence = cfg.draft_confidence
     head.save(cfg.out, getattr(torch, cfg.dtype))
     size = os.path.getsize(os.path.join(cfg.out, "head.safetensors")) / 2**20
     print(f"saved {cfg.out} ({size:.1f} MiB) after {time.perf_counter() - t0:.0f} s", flush=True)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from services import options
 from shared.config import option
-from shared.engine.config import check_draft_confidence, check_dtype, check_tree_shape
+from shared.engine.config import check_draft_confidence, check_dtype, check_tree_ngram, check_tree_shape
 
 
 @dataclass(slots=True)
@@ -20,6 +20,7 @@ class DraftConfig:
                                        "any target the router names")
     draft_confidence: float | None = options.draft_confidence()
     draft_tree_nodes: int | None = options.draft_tree_nodes()
+    draft_tree_ngram: int | None = options.draft_tree_ngram()
     block_size: int = option(16, "tokens per KV block of the draft model")
     kv_blocks: int = option(2048, "KV blocks of the draft model")
     max_model_len: int = option(8192, "longest sequence the draft model handles")
@@ -38,6 +39,7 @@ class DraftConfig:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
+        check_tree_ngram(self.draft_tree_ngram)
         if self.targets is not None and not self.allowed_targets():
             raise ValueError("targets: give at least one host:port (or leave it unset)")
         if self.kv_blocks < 1 or self.block_size < 1:

@@ -39,7 +39,7 @@ async def serve(cfg: DraftConfig) -> None:
             torch.set_num_threads(cfg.num_threads)
         return make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, dtype, device, cfg.max_model_len,
                              target_path=cfg.model, draft_confidence=cfg.draft_confidence,
-                             draft_tree_nodes=cfg.draft_tree_nodes)
+                             draft_tree_nodes=cfg.draft_tree_nodes, draft_tree_ngram=cfg.draft_tree_ngram)
     proposer = torch_thread.call(build)
     links = TargetLinks(DraftState(proposer))
     service = Service("upesi.v1.Draft", DraftServicer(links, cfg.allowed_targets()),

@@ -10,6 +10,7 @@ from shared.engine.config import (
     check_draft_confidence,
     check_dtype,
     check_speculative_max_seqs,
+    check_tree_ngram,
     check_tree_shape,
     check_wide_threads,
     resolve_device,
@@ -46,6 +47,7 @@ class TargetConfig:
     speculative_max_seqs: int = options.speculative_max_seqs(0)
     draft_confidence: float | None = options.draft_confidence()
     draft_tree_nodes: int | None = options.draft_tree_nodes()
+    draft_tree_ngram: int | None = options.draft_tree_ngram()
     nvfp4_act_quant: bool = options.nvfp4_act_quant()
     draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
                                          "Verify stream; past it those requests decode without drafts for 5 s")
@@ -71,6 +73,7 @@ class TargetConfig:
         check_dtype(self.dtype)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
+        check_tree_ngram(self.draft_tree_ngram)
         check_speculative_max_seqs(self.speculative_max_seqs)
         check_wide_threads(self.wide_threads)
         if not 0 <= self.metrics_port < 65536:

@@ -30,8 +30,10 @@ class EngineConfig:
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
     adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
     speculative_max_seqs: int = 0         # speculate only while at most this many sequences run (0 = always)
-    draft_confidence: float | None = None  # eagle: stop drafting below this path probability (None = the head's)
-    draft_tree_nodes: int | None = None   # eagle: tree nodes per step for greedy rows (None = the head's, 0 = chains)
+    draft_confidence: float | None = None  # eagle: stop drafting below this path probability
+    draft_tree_nodes: int | None = None   # eagle: tree nodes per step for greedy rows (0 = chains)
+    draft_tree_ngram: int | None = None   # eagle: prompt-lookup tokens grafted onto each tree (0 = off)
+    # (None: the serving policy, shared.spec.eagle_proposer.SERVING)
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
 
@@ -44,6 +46,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
+        check_tree_ngram(self.draft_tree_ngram)
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
@@ -71,6 +74,12 @@ def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES, what: str = "dtype
     """The one check of a dtype setting (every service config and train-draft call it in __post_init__)."""
     if name not in allowed:
         raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {name!r}")
+
+
+def check_tree_ngram(value: int | None) -> None:
+    """The one check of a draft_tree_ngram setting (target, draft and serve configs)."""
+    if value is not None and value < 0:
+        raise ValueError(f"draft_tree_ngram must be >= 0 (0 = off), got {value}")
 
 
 def check_draft_confidence(value: float | None) -> None:

@@ -44,26 +44,16 @@ class EagleConfig:
     draft_vocab_size: int           # N, rows of the id map
     max_position: int = 8192
     post_norm: bool = False         # features after the target's final norm (EAGLE-1); False: before it
-    draft_confidence: float = 0.0   # serving default: stop a draft once its path probability falls below this
-    tree_nodes: int = 0             # serving default: tree nodes per step, shared by greedy sequences (0: chains)
-    tree_nodes_fp32: int | None = None  # the same where the head serves in fp32 (None: tree_nodes): on CPU an fp32
-                                        # verified row costs more than a bf16 one, so smaller trees pay there
-    tree_width: int = 4             # candidates kept per depth of a tree
-    tree_ngram: int = 0             # serving default: graft prompt lookup's continuation of up to this many tokens
-                                    # onto each greedy tree (0: off)
-
-    def default_tree_nodes(self, dtype: torch.dtype) -> int:
-        """The serving default of a step's node budget for a head serving in `dtype`."""
-        fp32 = dtype == torch.float32 and self.tree_nodes_fp32 is not None
-        return self.tree_nodes_fp32 if fp32 else self.tree_nodes
 
     @classmethod
     def read(cls, folder: str) -> "EagleConfig":
-        """The config saved beside a head (eagle.json)."""
+        """The config saved beside a head (eagle.json). Keys that are not the model's (serving settings that older
+        heads carried, such as draft_confidence or tree_nodes) are ignored: serving takes them from its flags."""
         import os
 
         with open(os.path.join(folder, CONFIG_FILE)) as f:
-            return cls(**json.load(f))
+            saved = json.load(f)
+        return cls(**{k: v for k, v in saved.items() if k in cls.__dataclass_fields__})
 
 
 class EagleHead(nn.Module):

@@ -10,6 +10,8 @@ Shapes: B = sequences, T = new positions, D = hidden, N = reduced vocab, V = ful
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -42,6 +44,20 @@ class HeadState:
         """Keeps the first `length` KV rows (positions origin .. origin + length - 1)."""
         if self.k is not None:
             self.k, self.v = self.k[:length], self.v[:length]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPolicy:
+    """How a served EAGLE head drafts, unless the service's flags say otherwise (--draft-confidence,
+    --draft-tree-nodes, --draft-tree-ngram). Serving settings, not part of a head: the values are the ones measured
+    best for the default model's head (docs/eagle-head.md)."""
+    confidence: float = 0.15        # stop a draft once the head's probability of its path falls below this
+    tree_nodes: int = 8             # tree nodes per step, shared by the step's greedy sequences (0: chains)
+    tree_width: int = 8             # candidates kept per depth of a tree
+    tree_ngram: int = 4             # graft prompt lookup's continuation of up to this many tokens onto each tree
+
+
+SERVING = DraftPolicy()
 
 
 class EagleProposer:
@@ -216,12 +232,12 @@ class EagleProposer:
 
 
 def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torch.nn.Module | None,
-               target_path: str | None, min_confidence: float | None = None, tree_nodes: int | None = None
-               ) -> EagleProposer:
+               target_path: str | None, min_confidence: float | None = None, tree_nodes: int | None = None,
+               tree_ngram: int | None = None) -> EagleProposer:
     """The head at `path`, with the embedding, final norm and LM head of `target` (in-process) or of the checkpoint
-    at `target_path` (a draft service; None = the default model); drafts stop below `min_confidence` (None = the
-    head's own draft_confidence); greedy sequences get trees of up to `tree_nodes` (None = the head's tree_nodes, or
-    tree_nodes_fp32 in fp32; 0 = chains)."""
+    at `target_path` (a draft service; None = the default model); drafts stop below `min_confidence`, greedy
+    sequences get trees of up to `tree_nodes` (0 = chains) with prompt lookup's continuation of up to `tree_ngram`
+    tokens grafted on (None: the SERVING policy's value)."""
     from shared.spec.eagle import load_target_parts
 
     head = EagleHead.load(path, dtype, device)
@@ -233,6 +249,6 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
     if head.embed.shape[0] != head.cfg.vocab_size:
         raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
                          f"{head.embed.shape[0]}")
-    return EagleProposer(head, head.cfg.draft_confidence if min_confidence is None else min_confidence,
-                         head.cfg.default_tree_nodes(dtype) if tree_nodes is None else tree_nodes, head.cfg.tree_width,
-                         head.cfg.tree_ngram)
+    return EagleProposer(head, SERVING.confidence if min_confidence is None else min_confidence,
+                         SERVING.tree_nodes if tree_nodes is None else tree_nodes, SERVING.tree_width,
+                         SERVING.tree_ngram if tree_ngram is None else tree_ngram)

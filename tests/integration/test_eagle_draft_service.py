@@ -39,7 +39,7 @@ def tiny_with_head(tmp_path_factory):
 def in_process(tiny: str, head: str | None, tree: int = 0) -> list[tuple[list[int], int, int]]:
     """Per prompt, one at a time: (tokens, drafted, accepted)."""
     kw = dict(model=tiny, progress=False, num_kv_blocks=128, block_size=4, num_speculative_tokens=K,
-              draft_tree_nodes=tree)        # trees of `tree` nodes, as in the service
+              draft_tree_nodes=tree, draft_confidence=0.0, draft_tree_ngram=0)        # as in the service
     eng = build_engine(EngineConfig(speculative=f"eagle:{head}" if head else None, **kw))
     out = []
     for p in PROMPTS:
@@ -57,7 +57,7 @@ def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp
     draft, target = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     log = open(tmp_path / "services.log", "w")
     procs = [spawn(["draft", "--address", draft, "--proposer", f"eagle:{head}", "--model", tiny, "--device", "cpu",
-                    "--draft-tree-nodes", str(tree)], log),
+                    "--draft-tree-nodes", str(tree), "--draft-confidence", "0", "--draft-tree-ngram", "0"], log),
              spawn(["target", "--address", target, "--model", tiny, "--device", "cpu", "--num-kv-blocks", "128",
                     "--block-size", "4", "--num-speculative-tokens", str(K), "--metrics-port", "0",
                     "--progress", "false"], log)]

@@ -35,20 +35,6 @@ def tiny_eagle(tiny):
 
 
 @pytest.fixture(scope="module")
-def tiny_eagle_ngram(tiny_eagle):
-    """The same head with prompt lookup grafted onto its trees (eagle.json tree_ngram = 4)."""
-    import json
-    import shutil
-    dst = f"{tiny_eagle}-ngram"
-    shutil.copytree(tiny_eagle, dst, dirs_exist_ok=True)
-    with open(f"{dst}/eagle.json") as f:
-        cfg = json.load(f)
-    with open(f"{dst}/eagle.json", "w") as f:
-        json.dump(cfg | {"tree_ngram": 4}, f)
-    return dst
-
-
-@pytest.fixture(scope="module")
 def greedy_ref(tiny):
     eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4))
     return [o[0] for o in eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
@@ -56,11 +42,11 @@ def greedy_ref(tiny):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("proposer", ["ngram", "draft-model", "eagle", "eagle-tree", "eagle-tree-ngram"])
-def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, tiny_eagle_ngram, greedy_ref, proposer, k):
-    spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}", "eagle": f"eagle:{tiny_eagle}",
-            "eagle-tree": f"eagle:{tiny_eagle}", "eagle-tree-ngram": f"eagle:{tiny_eagle_ngram}"}[proposer]
+def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, greedy_ref, proposer, k):
+    spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}"}.get(proposer, f"eagle:{tiny_eagle}")
     eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
-                                 num_speculative_tokens=k,
+                                 num_speculative_tokens=k, draft_confidence=0.0,
+                                 draft_tree_ngram=4 if proposer == "eagle-tree-ngram" else 0,
                                  draft_tree_nodes=6 if proposer.startswith("eagle-tree") else 0))
     grafted = []
     if proposer == "eagle-tree-ngram":                       # count the trees that prompt lookup added nodes to
@@ -209,7 +195,7 @@ def test_distribution_with_an_eagle_head_matches_the_target(tmp_path, one_thread
     exact = marginals(target, prompt, 3)
     spec = build_engine(EngineConfig(model=str(tmp_path / "target"), speculative=f"eagle:{tmp_path / 'eagle'}",
                                   num_speculative_tokens=3, progress=False, num_kv_blocks=12000, block_size=4,
-                                  max_num_seqs=2500, max_num_batched_tokens=16384))
+                                  max_num_seqs=2500, max_num_batched_tokens=16384, draft_confidence=0.0))
     counts = empirical(spec, prompt, 20000, 3)
     pvals = [chi2_pvalue(counts[i], exact[i]) for i in range(3)]
     print("eagle speculative p-values", pvals)

@@ -185,15 +185,22 @@ def test_a_draft_stops_where_its_path_probability_falls_below_the_confidence(the
     assert 1 <= len(toks) <= 5 and q.shape == (len(toks), V)
 
 
-def test_draft_confidence_comes_from_the_head_unless_set(tmp_path):
+def test_draft_confidence_comes_from_serving_unless_set(tmp_path):
+    """The head describes the model; how it drafts is serving's (SERVING, or the flags). A head saved with the
+    serving keys older heads carried in eagle.json still loads, and those keys are ignored."""
+    import json
+
     from shared.engine.config import check_draft_confidence
-    from shared.spec.eagle_proposer import make_eagle
+    from shared.spec.eagle_proposer import SERVING, make_eagle
     head = tiny_head()
-    head.cfg.draft_confidence = 0.2
     head.save(str(tmp_path / "h"))
+    saved = json.loads((tmp_path / "h" / "eagle.json").read_text())
+    assert not {"draft_confidence", "tree_nodes", "tree_width", "tree_ngram"} & set(saved)
+    (tmp_path / "h" / "eagle.json").write_text(json.dumps(saved | {"draft_confidence": 0.2, "tree_nodes_fp32": 5}))
     target = torch.nn.Module()
     target.embed_tokens, target.norm, target.lm_head = torch.nn.Embedding(V, D), head.final_norm, torch.nn.Linear(D, V)
-    assert make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None).min_confidence == 0.2
+    assert make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None).min_confidence == \
+        SERVING.confidence
     assert make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, 0.0).min_confidence == 0
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="draft_confidence"):
@@ -202,31 +209,28 @@ def test_draft_confidence_comes_from_the_head_unless_set(tmp_path):
             EagleProposer(head, bad)
 
 
-def test_tree_settings_come_from_the_head_unless_set_and_bad_ones_are_refused(tmp_path):
+def test_tree_settings_come_from_serving_unless_set_and_bad_ones_are_refused(tmp_path):
     from services.draft.config import DraftConfig
     from services.launcher import ServeConfig
     from services.target.config import TargetConfig
     from shared.engine.config import EngineConfig
-    from shared.spec.eagle_proposer import make_eagle
+    from shared.spec.eagle_proposer import SERVING, make_eagle
     head = tiny_head()
-    head.cfg.tree_nodes, head.cfg.tree_width = 9, 3
     head.save(str(tmp_path / "h"))
     target = torch.nn.Module()
     target.embed_tokens, target.norm, target.lm_head = torch.nn.Embedding(V, D), head.final_norm, torch.nn.Linear(D, V)
     own = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None)
-    assert (own.tree_nodes, own.tree_width) == (9, 3)
+    assert (own.tree_nodes, own.tree_width, own.tree_ngram) == (SERVING.tree_nodes, SERVING.tree_width,
+                                                                SERVING.tree_ngram)
     chains = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, tree_nodes=0)
     assert chains.tree_nodes == 0
-    head.cfg.tree_nodes_fp32 = 5                                    # a smaller budget where it serves fp32
-    head.save(str(tmp_path / "h"))
-    fp32 = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None)
-    bf16 = make_eagle(str(tmp_path / "h"), torch.bfloat16, torch.device("cpu"), target, None)
-    assert (fp32.tree_nodes, bf16.tree_nodes) == (5, 9)
-    seven = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, tree_nodes=7)
-    assert seven.tree_nodes == 7
+    seven = make_eagle(str(tmp_path / "h"), torch.float32, torch.device("cpu"), target, None, tree_nodes=7,
+                       tree_ngram=0)
+    assert (seven.tree_nodes, seven.tree_ngram) == (7, 0)
     for make in (lambda: EngineConfig(draft_tree_nodes=-1), lambda: EngineConfig(draft_tree_nodes=65),
-                 lambda: TargetConfig(draft_tree_nodes=-1),
+                 lambda: TargetConfig(draft_tree_nodes=-1), lambda: EngineConfig(draft_tree_ngram=-1),
                  lambda: DraftConfig(draft_tree_nodes=-1), lambda: ServeConfig(draft_tree_nodes=-1),
+                 lambda: TargetConfig(draft_tree_ngram=-1), lambda: DraftConfig(draft_tree_ngram=-1),
                  lambda: EagleProposer(head, tree_nodes=-2), lambda: EagleProposer(head, tree_nodes=4, tree_width=0)):
         with pytest.raises(ValueError, match="tree"):
             make()

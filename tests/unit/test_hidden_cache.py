@@ -29,7 +29,8 @@ def _run(eng: LLMEngine, prompt: list[int]):
 
 def test_a_prefix_cache_hit_gives_the_head_the_cached_features(tiny, tiny_eagle):
     eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
-                                 speculative=f"eagle:{tiny_eagle}", num_speculative_tokens=3))
+                                 speculative=f"eagle:{tiny_eagle}", num_speculative_tokens=3, draft_confidence=0.0,
+                                 draft_tree_nodes=0, draft_tree_ngram=0))
     prompt = PROMPTS[5]                                               # 40 tokens: 10 full blocks
     cold, cold_given = _run(eng, prompt)
     warm, warm_given = _run(eng, prompt)
