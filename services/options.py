@@ -3,6 +3,7 @@ uses these factories for its fields (`dtype: str = options.dtype()`); `upesi ser
 it starts under the same flag names."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from shared.config import option
@@ -64,27 +65,21 @@ def expert_placement() -> Any:
     return option(None, "placement JSON of FFN units on the expert shards (default: contiguous)")
 
 
-# ---------------------------------------------------------------- TLS of one service
-def tls_cert() -> Any:
-    return option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
+# ---------------------------------------------------------------- TLS
+@dataclass(slots=True)
+class ServerTLS:
+    """TLS of a service's own port: a config dataclass that derives from it takes these flags."""
+    tls_cert: str | None = option(None, "TLS: this server's certificate (PEM); with tls_key the port serves TLS")
+    tls_key: str | None = option(None, "TLS: this server's private key (PEM)")
+    tls_client_ca: str | None = option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = "
+                                             "clients without one are refused")
 
 
-def tls_key() -> Any:
-    return option(None, "TLS: this server's private key (PEM)")
-
-
-def tls_client_ca() -> Any:
-    return option(None, "mTLS: CA (PEM) that client certificates must be signed by; set = clients without one are "
-                        "refused")
-
-
-def tls_ca() -> Any:
-    return option(None, "TLS to the services this one calls: CA (PEM) that verifies them (set = calls use TLS)")
-
-
-def tls_client_cert() -> Any:
-    return option(None, "mTLS: the client certificate (PEM) presented to the services this one calls")
-
-
-def tls_client_key() -> Any:
-    return option(None, "mTLS: the client certificate's private key (PEM)")
+@dataclass(slots=True)
+class TLS(ServerTLS):
+    """TLS of a service's own port and of the calls it makes to other services."""
+    tls_ca: str | None = option(None, "TLS to the services this one calls: CA (PEM) that verifies them (set = "
+                                      "calls use TLS)")
+    tls_client_cert: str | None = option(None, "mTLS: the client certificate (PEM) presented to the services this "
+                                               "one calls")
+    tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")

@@ -9,7 +9,7 @@ from shared.engine.config import check_draft_confidence, check_dtype, check_tree
 
 
 @dataclass(slots=True)
-class DraftConfig:
+class DraftConfig(options.TLS):
     address: str = option("127.0.0.1:50071", "gRPC listen address (the router sends speculative requests here)")
     proposer: str = option("ngram", "ngram, draft-model:PATH (a small Llama-family model sharing the tokenizer) "
                                     "or eagle:PATH (an EAGLE-style head trained for the target by train-draft)")
@@ -28,12 +28,6 @@ class DraftConfig:
     dtype: str = options.dtype()
     num_threads: int | None = option(None, "torch CPU threads")
     metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
-    tls_cert: str | None = options.tls_cert()
-    tls_key: str | None = options.tls_key()
-    tls_client_ca: str | None = options.tls_client_ca()
-    tls_ca: str | None = options.tls_ca()
-    tls_client_cert: str | None = options.tls_client_cert()
-    tls_client_key: str | None = options.tls_client_key()
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

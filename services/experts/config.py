@@ -11,7 +11,7 @@ from shared.engine.config import check_dtype, resolve_device, resolve_dtype, ser
 
 
 @dataclass(slots=True)
-class ExpertsConfig:
+class ExpertsConfig(options.ServerTLS):
     address: str = option("127.0.0.1:50071", "gRPC listen address")
     metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
     model: str | None = options.model()
@@ -23,9 +23,6 @@ class ExpertsConfig:
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     progress: bool = option(False, "show a progress bar while reading the checkpoint")
     nvfp4_act_quant: bool = options.nvfp4_act_quant()
-    tls_cert: str | None = options.tls_cert()
-    tls_key: str | None = options.tls_key()
-    tls_client_ca: str | None = options.tls_client_ca()
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:

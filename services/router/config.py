@@ -8,7 +8,7 @@ from shared.config import option
 
 
 @dataclass(slots=True)
-class RouterConfig:
+class RouterConfig(options.TLS):
     address: str = option("127.0.0.1:50051", "public gRPC listen address")
     http_host: str = option("127.0.0.1", "HTTP host for /health and /metrics")
     http_port: int = option(8000, "HTTP port (0 = off)")
@@ -31,12 +31,6 @@ class RouterConfig:
     max_n: int = option(16, "largest n (choices per request)")
     max_stop_strings: int = option(16, "most stop strings per request")
     target_wait_s: float = option(600.0, "how long to wait for the target at start-up")
-    tls_cert: str | None = options.tls_cert()
-    tls_key: str | None = options.tls_key()
-    tls_client_ca: str | None = options.tls_client_ca()
-    tls_ca: str | None = options.tls_ca()
-    tls_client_cert: str | None = options.tls_client_cert()
-    tls_client_key: str | None = options.tls_client_key()
     api_key: str | None = option(None, "require this API key (authorization: Bearer KEY) on gRPC and HTTP")
     api_keys_file: str | None = option(None, "YAML file of API keys with per-key limits (see services/router/auth.py)")
     request_timeout_s: float = option(600.0, "longest a request may run, from arrival to its last token "

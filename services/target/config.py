@@ -19,7 +19,7 @@ from shared.engine.config import (
 
 
 @dataclass(slots=True)
-class TargetConfig:
+class TargetConfig(options.TLS):
     address: str = option("127.0.0.1:50061", "gRPC listen address")
     metrics_port: int = option(8061, "Prometheus /metrics port (0 = off)")
     model: str | None = options.model()
@@ -57,12 +57,6 @@ class TargetConfig:
                                              "FFN runs there (default: none, FFNs run in this process)")
     expert_placement: str | None = options.expert_placement()
     expert_timeout_s: float = option(5.0, "deadline of one call to an expert shard; past it the shard counts as down")
-    tls_cert: str | None = options.tls_cert()
-    tls_key: str | None = options.tls_key()
-    tls_client_ca: str | None = options.tls_client_ca()
-    tls_ca: str | None = options.tls_ca()
-    tls_client_cert: str | None = options.tls_client_cert()
-    tls_client_key: str | None = options.tls_client_key()
     rebalance_interval_s: float = option(0.0, "expert shards: check the measured expert load every this many seconds "
                                               "and replicate hot experts when shards are out of balance (0 = off)")
     rebalance_threshold: float = option(1.25, "rebalance when an MoE layer's busiest shard carries more than this "
