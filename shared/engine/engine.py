@@ -25,7 +25,7 @@ from shared.errors import InvalidRequest
 from shared.kv.block_manager import BlockManager
 from shared.kv.hashing import cache_extra
 from shared.model.loader import load_config
-from shared.model.registry import build_model
+from shared.model.registry import build_model, check_architecture
 from shared.model_files import resolve_model_path
 from shared.quant.model_quant import set_act_quant
 from shared.sampling_params import SamplingParams
@@ -55,6 +55,7 @@ class LLMEngine:
         self.threads = cfg.num_threads or torch.get_num_threads()    # of one-row (decode) steps
         self.model_path = resolve_model_path(cfg.model)
         device, dtype = cfg.torch_device(), cfg.torch_dtype()
+        check_architecture(self.model_path)
         window = load_config(self.model_path).max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or window, window)
         model, self.model_cfg = build_model(self.model_path, self.max_model_len, dtype, device, cfg.progress)

@@ -21,6 +21,16 @@ from shared.ops.rope import apply_rope, rope_tables
 KVCache = tuple[torch.Tensor, torch.Tensor]   # per layer: k, v [NB, BS, KVH, Dh]
 
 
+def reject_sliding_window(cfg: ModelConfig, max_len: int) -> None:
+    """Sliding-window attention is not implemented: refuse a served context longer than the window (past it the
+    output would differ from the model's), naming the setting that serves the model exactly."""
+    x = cfg.extra
+    window = x.get("sliding_window") if x.get("use_sliding_window", True) else None
+    if window and window < max_len:
+        raise ValueError(f"{cfg.architecture}: sliding-window attention (window {window}) is not supported; "
+                         f"serve with max_model_len <= {window}")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -170,3 +180,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
     with torch.no_grad():
         dst.copy_(src)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama decoder; its sliding window (Mistral 7B v0.1) is refused where it would apply."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        reject_sliding_window(cfg, max_len)
+        super().__init__(cfg, max_len)

@@ -7,8 +7,8 @@ expert's gate / up / down projections.
 from __future__ import annotations
 
 from shared.model.config import ModelConfig
-from shared.model.llama import DecoderLayer
-from shared.model.moe import MoEBlock, MoECausalLM, RoutingConfig, reject_sliding_window
+from shared.model.llama import DecoderLayer, reject_sliding_window
+from shared.model.moe import MoEBlock, MoECausalLM, RoutingConfig
 
 
 class MixtralForCausalLM(MoECausalLM):

@@ -163,15 +163,6 @@ class MoEBlock(nn.Module):
         return out
 
 
-def reject_sliding_window(cfg: ModelConfig, max_len: int) -> None:
-    """Sliding-window attention is not implemented: refuse a served window that would need it."""
-    x = cfg.extra
-    window = x.get("sliding_window") if x.get("use_sliding_window", True) else None
-    if window and window < max_len:
-        raise ValueError(f"{cfg.architecture}: sliding-window attention (window {window}) is not supported; "
-                         f"serve with max_model_len <= {window}")
-
-
 class MoECausalLM(LlamaForCausalLM):
     """Llama's skeleton (embeddings, decoder layers, final norm, head, RoPE, forward) whose layers a family
     rebuilds in `build_layer`, and a loader for Hugging Face names after the family's renames."""

@@ -1,6 +1,8 @@
 """Architectures by name: one entry per model family, no if-ladder."""
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 
 import torch
@@ -8,32 +10,48 @@ from torch import nn
 
 from shared.model.config import ModelConfig
 from shared.model.deepseek_v3 import DeepseekV3ForCausalLM
-from shared.model.llama import LlamaForCausalLM
+from shared.model.llama import LlamaForCausalLM, MistralForCausalLM
 from shared.model.loader import iter_weights, load_config
 from shared.model.mixtral import MixtralForCausalLM
+from shared.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from shared.model.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from shared.model_files import is_gguf
 from shared.ops.packed_linear import pack_linears
 from shared.ops.rope import rope_tables
 from shared.quant.model_quant import apply_quantization
 
 ARCHITECTURES: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
     "smollm": LlamaForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 
+def check_architecture(path: str) -> None:
+    """Refuses a checkpoint of a family this code does not serve, naming the ones it does, before its config is
+    parsed (another family's config.json may lack the fields a decoder config needs)."""
+    if is_gguf(path):
+        arch = load_config(path).architecture
+    else:
+        with open(os.path.join(path, "config.json")) as f:
+            arch = json.load(f).get("model_type", "llama")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} is not supported; the supported families are "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+
+
 def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.device | str,
                 progress: bool = True) -> tuple[nn.Module, ModelConfig]:
     """Builds the registered architecture for the checkpoint at `path` and loads its weights."""
+    check_architecture(path)
     cfg = load_config(path)
-    factory = ARCHITECTURES.get(cfg.architecture)
-    if factory is None:
-        raise ValueError(f"architecture {cfg.architecture!r} is not supported; known: {sorted(ARCHITECTURES)}")
+    factory = ARCHITECTURES[cfg.architecture]
     with torch.device("meta"):
         model = factory(cfg, max_len)
     consume = apply_quantization(model, cfg.extra, path)   # quantised checkpoints: swap layers, take their tensors

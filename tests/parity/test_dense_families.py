@@ -1,0 +1,80 @@
+"""Dense families beside Llama: tiny random Qwen2 and Qwen3 checkpoints made with transformers' own config classes
+and `save_pretrained`, against transformers in fp32 (teacher-forced logits, greedy tokens, n-gram speculation);
+Mistral's sliding window refused where it would change the output, served where it does not."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.sampling_params import SamplingParams
+from shared.spec.factory import build_engine
+from shared.testing.moe_checkpoints import COMMON, hf_greedy
+
+PROMPTS = [[5, 17, 29, 3, 77, 41, 8, 60, 12, 99, 5, 17, 29], [9, 2, 64, 13]]
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(**COMMON, intermediate_size=96))
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=24, intermediate_size=96))
+
+
+def _mistral(window: int | None):
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(**COMMON, intermediate_size=96, sliding_window=window))
+
+
+def _save(make, path):
+    torch.manual_seed(0)
+    model = make().eval()
+    with torch.no_grad():                   # spread the logits so greedy ties are unlikely
+        model.lm_head.weight.mul_(8)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_logits_greedy_and_speculation_match_transformers(tmp_path, family):
+    ref = _save({"qwen2": _qwen2, "qwen3": _qwen3}[family], tmp_path)
+    if family == "qwen2":
+        assert ref.model.layers[0].self_attn.q_proj.bias is not None          # the biases are loaded and used
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16))
+    ids = torch.randint(1, 110, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        expect = ref(torch.tensor([ids])).logits[0]
+    diff = (eng.score(ids) - expect).abs().max().item()
+    print(f"{family}: max |logits - transformers| = {diff:.2e}")
+    assert diff < 1e-4
+    want = hf_greedy(ref, PROMPTS)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == want
+    spec = build_engine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16,
+                                     speculative="ngram", num_speculative_tokens=3))
+    assert [o[0] for o in spec.generate(PROMPTS, params)] == want
+    assert spec.stats_draft > 0                                             # prompt lookup did propose
+
+
+def test_mistral_sliding_window_is_refused_where_it_would_apply(tmp_path):
+    _save(lambda: _mistral(16), tmp_path / "windowed")
+    with pytest.raises(ValueError, match="sliding-window attention.*max_model_len <= 16"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "windowed"), progress=False, num_kv_blocks=64))
+    inside = LLMEngine(EngineConfig(model=str(tmp_path / "windowed"), progress=False, num_kv_blocks=64,
+                                    max_model_len=16))
+    assert inside.max_model_len == 16
+    ref = _save(lambda: _mistral(None), tmp_path / "full")                 # Mistral v0.2+: no window
+    eng = LLMEngine(EngineConfig(model=str(tmp_path / "full"), progress=False, num_kv_blocks=64))
+    out = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert [o[0] for o in out] == hf_greedy(ref, PROMPTS)
+
+
+def test_an_unknown_family_names_the_supported_ones(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'gpt2' is not supported; the supported families are .*qwen3"):
+        LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=8))
