@@ -219,7 +219,8 @@ def measure_hf(a: argparse.Namespace, dtype: str) -> dict:
 
 def weight_bytes(dtype: str) -> int:
     """Bytes of weights a plain decode step reads (every linear layer, the LM head, norms) in `dtype`."""
-    from shared.model.loader import default_model_path, load_config
+    from shared.model.loader import load_config
+    from shared.model_files import default_model_path
     c = load_config(default_model_path())
     per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim
                  * c.hidden_size + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)
