@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shared.testing.stack import ROOT, free_port_run  # noqa: F401 (tests import free_port_run from here)
+from shared.testing.stack import ROOT
 
 COMMON = {"vocab_size": 112, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False,

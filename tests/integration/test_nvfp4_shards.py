@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shared.testing.moe_checkpoints import PROMPTS, free_port_run, save_tiny, save_tokenizer, start_shard, stop_all
+from shared.testing.moe_checkpoints import PROMPTS, save_tiny, save_tokenizer, start_shard, stop_all
+from shared.testing.stack import free_port_run
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
