@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.ops import cpu_attention, rms_norm
+from shared.ops import cpu_attention, decoder_bf16, rms_norm
 from shared.ops.attention import paged_attention
+from shared.ops.packed_linear import PackedLinear
 from shared.ops.paged_attention import AttentionMetadata, write_kv
 from shared.ops.rope import apply_rope, rope_tables
 
@@ -79,8 +80,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)          # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(decoder_bf16.silu_mul(self.gate_up_proj(x)))   # [T, 2I] -> [T, I] -> [T, D]
 
 
 class DecoderLayer(nn.Module):
@@ -117,9 +117,24 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)                                   # [T, D]
         cos = self.rope_cos[positions].to(x.dtype)                         # [T, Dh]
         sin = self.rope_sin[positions].to(x.dtype)
+        stack = self._decoder_stack(kv_caches)
+        if stack is not None and stack.takes(x, meta):                     # a few bf16 rows: every layer in C
+            return self.norm(stack.run(x, cos, sin, meta))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
         return self.norm(x)
+
+    def _decoder_stack(self, kv_caches: list[KVCache]) -> decoder_bf16.DecoderStack | None:
+        """The layers as one C call (shared.ops.decoder_bf16) where every one is this file's plain decoder layer
+        with bf16 rows-packed linears on CPU; built at first use and again whenever a layer's FFN or the cache
+        changed (an FFN moved to expert shards)."""
+        key = (kv_caches[0][0], *(layer.mlp for layer in self.layers)) if kv_caches else ()
+        cached = getattr(self, "_stack", None)
+        if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1]
+        stack = _build_stack(self, kv_caches) if key else None
+        self._stack = (key, stack)
+        return stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] in fp32."""
@@ -173,6 +188,35 @@ class LlamaForCausalLM(nn.Module):
             q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
             return [0, q, q + kv, q + 2 * kv]
         return [0, c.intermediate_size, 2 * c.intermediate_size]
+
+
+def _build_stack(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> decoder_bf16.DecoderStack | None:
+    def rows_packed(m: nn.Module) -> bool:
+        return type(m) is PackedLinear and isinstance(m.packed, decoder_bf16.RowsWeightBF16)
+
+    cfg = model.cfg
+    k0 = kv_caches[0][0]
+    if not (k0.device.type == "cpu" and k0.dtype == torch.bfloat16 and decoder_bf16.available()
+            and len(kv_caches) == len(model.layers) and cfg.head_dim % 8 == 0 and cfg.head_dim <= 512
+            and cfg.num_heads % cfg.num_kv_heads == 0 and cfg.num_heads // cfg.num_kv_heads <= 8):
+        return None
+    layers = []
+    for layer, (k, v) in zip(model.layers, kv_caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (type(layer) is DecoderLayer and type(attn) is Attention and type(mlp) is MLP
+                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+                and all(rows_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+                and k.dtype == v.dtype == torch.bfloat16):
+            return None
+        layers.append(decoder_bf16.LayerWeights(
+            layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, attn.qkv_proj.bias, attn.o_proj.packed,
+            attn.o_proj.bias, layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed,
+            mlp.gate_up_proj.bias, mlp.down_proj.packed, mlp.down_proj.bias, k, v))
+    eps = {layer.input_layernorm.eps for layer in model.layers} | {layer.post_attention_layernorm.eps
+                                                                    for layer in model.layers}
+    if len(eps) != 1:
+        return None
+    return decoder_bf16.DecoderStack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps.pop())
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -117,7 +117,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
 ROW_BLOCK = 8          # a sequence's rows per work item (a 9-row verification: blocks of 5 and 4, both threads busy)
 
 
-def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, list[int], int, int]:
+def row_descriptors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, list[int], int, int]:
     """Once per step (the layers share it): [R, 5] int64 (row, sequence, cached positions before its new tokens,
     index among them, tree bits) of the rows C computes, [NB, 2] (first row, rows) of their blocks (rows of one
     sequence), (sequence, first row) of those left to the reference, the longest sequence among the C rows and
@@ -159,7 +159,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1 or q.stride(1) != dh:
         q = q.contiguous()
     out = torch.empty(t, h, dh, dtype=q.dtype)
-    rows, blocks, long, longest, widest = _rows(meta)
+    rows, blocks, long, longest, widest = row_descriptors(meta)
     if len(rows):
         bt = meta.block_tables
         _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),

@@ -1,0 +1,119 @@
+// A Llama-style decoder stack for a step's few rows in one call, bf16 on CPUs with AVX512-BF16
+// (shared/ops/decoder_bf16.py loads this). It runs, layer after layer, the same kernels the model's modules call one
+// by one from Python (RMSNorm, the bf16 rows GEMM, RoPE + KV store, paged attention), reached through function
+// pointers into their own libraries, plus the residual adds and SwiGLU's silu(gate) * up done here. Each step is
+// rounded to bf16 where the module path rounds, so the result equals the module path bit for bit.
+// Shapes: T = rows, D = hidden, H / KVH = query / kv heads, Dh = head dim, I = intermediate, L = layers.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
+                        uint16_t *, int64_t, int);
+typedef void (*norm_fn)(const void *, int64_t, int64_t, int64_t, const void *, float, void *, int);
+typedef void (*rope_fn)(void *, int64_t, int64_t, int, int, int, const void *, const void *, void *, void *,
+                        const int64_t *, int);
+typedef void (*attn_fn)(const void *, int64_t, void *, int64_t, const void *, const void *, const int64_t *, int64_t,
+                        int, const int64_t *, const int64_t *, int64_t, int, int, int, float, int, int64_t, int64_t);
+
+// 16 lanes of bf16 -> fp32, and fp32 -> bf16 rounded to nearest even as f32_to_bf16 (NaN kept quiet).
+static inline __m512 load16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 v, __mmask16 m) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+
+// exp(x) in fp32, about 1 ulp (Cephes' polynomial on [-ln2/2, ln2/2], scaled by 2^n with vscalefps, so large
+// arguments give inf or 0 as expf does).
+static inline __m512 exp16(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// gu [T, 2I] (gate, then up, rows ld apart) -> out [T, I]: round(round(silu(gate)) * up), as torch's
+// F.silu(gate) * up on bf16 tensors rounds (its exp may differ from exp16 in the last fp32 bit).
+void upesi_silu_mul_bf16(const uint16_t *gu, int64_t t, int64_t ld, int64_t inter, uint16_t *out) {
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t i = 0; i < inter; i += 16) {
+            int64_t left = inter - i;
+            __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            __m512 g = load16(gu + r * ld + i, m), u = load16(gu + r * ld + inter + i, m);
+            __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(),
+                                                                                              g))));
+            uint16_t tmp[16];
+            store16(tmp, s, 0xffff);
+            store16(out + r * inter + i, _mm512_mul_ps(load16(tmp, 0xffff), u), m);
+        }
+}
+
+// x [T, D] += a [T, D], rounded to bf16 (torch's bf16 add).
+static void add_rows(uint16_t *x, const uint16_t *a, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        int64_t left = n - i;
+        __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        store16(x + i, _mm512_add_ps(load16(x + i, m), load16(a + i, m)), m);
+    }
+}
+
+enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, PER_LAYER };
+enum { F_GEMM, F_NORM, F_ROPE, F_ATTN };
+enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS };
+
+// x [T, D] bf16, in place: the residual stream after every layer (before the final norm).
+// fns [4]: the kernels; dims [8]; layers [L, PER_LAYER] pointers (biases may be 0); cos, sin [T, Dh] bf16;
+// slots [T]; block_tables [B, MB]; rows [R, 5] and blocks [NB, 2]: shared.ops.cpu_attention's descriptors.
+void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *layers, float eps, float scale,
+                        uint16_t *x, int64_t t, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                        const int64_t *block_tables, int64_t mb, const int64_t *rows, const int64_t *blocks,
+                        int64_t nblocks, int64_t max_len, int64_t max_rows) {
+    gemm_fn gemm = (gemm_fn)fns[F_GEMM];
+    norm_fn norm = (norm_fn)fns[F_NORM];
+    rope_fn rope = (rope_fn)fns[F_ROPE];
+    attn_fn attn = (attn_fn)fns[F_ATTN];
+    int64_t d = dims[D_HIDDEN], inter = dims[D_INTER];
+    int h = (int)dims[D_HEADS], kvh = (int)dims[D_KV_HEADS], dh = (int)dims[D_HEAD_DIM], bs = (int)dims[D_BLOCK];
+    int threads = (int)dims[D_THREADS];
+    int64_t nqkv = (int64_t)(h + 2 * kvh) * dh, nq = (int64_t)h * dh;
+    uint16_t *nx = malloc(sizeof(uint16_t) * (size_t)(t * d));            // normed rows [T, D]
+    uint16_t *qkv = malloc(sizeof(uint16_t) * (size_t)(t * nqkv));        // [T, (H + 2 KVH) Dh]
+    uint16_t *o = malloc(sizeof(uint16_t) * (size_t)(t * nq));            // [T, H Dh]
+    uint16_t *a = malloc(sizeof(uint16_t) * (size_t)(t * d));             // a sublayer's output [T, D]
+    uint16_t *gu = malloc(sizeof(uint16_t) * (size_t)(t * 2 * inter));    // [T, 2I]
+    uint16_t *act = malloc(sizeof(uint16_t) * (size_t)(t * inter));       // [T, I]
+    for (int64_t l = 0; l < dims[D_LAYERS]; l++) {
+        const int64_t *w = layers + l * PER_LAYER;
+        norm(x, t, d, d, (const void *)w[W_NORM1], eps, nx, 1);
+        gemm(nx, t, d, d, (const uint16_t *)w[W_QKV], (const uint16_t *)w[B_QKV], nqkv, qkv, nqkv, threads);
+        rope(qkv, t, nqkv, h, kvh, dh, cos, sin, (void *)w[K_CACHE], (void *)w[V_CACHE], slots, 1);
+        attn(qkv, nqkv, o, nq, (const void *)w[K_CACHE], (const void *)w[V_CACHE], block_tables, mb, bs, rows,
+             blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows);
+        gemm(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);
+        add_rows(x, a, t * d);
+        norm(x, t, d, d, (const void *)w[W_NORM2], eps, nx, 1);
+        gemm(nx, t, d, d, (const uint16_t *)w[W_GU], (const uint16_t *)w[B_GU], 2 * inter, gu, 2 * inter, threads);
+        upesi_silu_mul_bf16(gu, t, 2 * inter, inter, act);
+        gemm(act, t, inter, inter, (const uint16_t *)w[W_DOWN], (const uint16_t *)w[B_DOWN], d, a, d, threads);
+        add_rows(x, a, t * d);
+    }
+    free(nx); free(qkv); free(o); free(a); free(gu); free(act);
+}

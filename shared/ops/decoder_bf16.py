@@ -1,0 +1,146 @@
+"""A Llama-style decoder stack in one C call for a step's few rows, bf16 on CPUs with AVX512-BF16
+(decoder_bf16.c), and SwiGLU's silu(gate) * up in C for bf16 rows of any count.
+
+At batch 1 the default model's 30 layers cost about a dozen Python-level calls each (norms, the rows GEMM, RoPE +
+KV store, attention, residual adds, the activation): over a third of a decode step went to dispatching them rather
+than to streaming the weights (docs/performance.md). `DecoderStack.run` makes the same kernel calls from C, in the
+same order and with the same roundings, so its result equals the module path's bit for bit
+(tests/unit/test_decoder_bf16.py); the modules stay the reference and the path for everything else (prefills,
+fp32, other devices, layers of another kind). `silu_mul` is that activation for the module path too, so both paths
+agree; its reference is torch's F.silu(gate) * up, which it matches to a bf16 rounding.
+
+Built with shared.ops.c_build at first use; UPESI_CPU_DECODER=0, no avx512_bf16 or a failed build leave the module
+path. Shapes: T = rows, D = hidden, I = intermediate, L = layers.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.ops import c_build, cpu_attention, rms_norm, rows_gemm_bf16
+from shared.ops.cpu_features import cpu_flags
+from shared.ops.paged_attention import AttentionMetadata
+from shared.ops.rows_gemm_bf16 import RowsWeightBF16
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp",
+         "-shared", "-fPIC"]
+MAX_ROWS = rows_gemm_bf16.MAX_ROWS        # the rows GEMM's limit: more rows (prefills) take the module path
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    if "avx512_bf16" not in cpu_flags():
+        return None
+    lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_CPU_DECODER", "CPU decoder kernel")
+    if lib is None:
+        return None
+    lib.upesi_silu_mul_bf16.argtypes = [_P, _I, _I, _I, _P]
+    lib.upesi_decoder_bf16.argtypes = [_P, _P, _P, _F, _F, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I]
+    for fn in (lib.upesi_silu_mul_bf16, lib.upesi_decoder_bf16):
+        fn.restype = None
+    return lib
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: torch's silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate, then up) -> silu(gate) * up [..., I]; in C for bf16 on CPU where it runs."""
+    if (gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu" or _lib() is None
+            or (torch.is_grad_enabled() and gate_up.requires_grad)):
+        return silu_mul_reference(gate_up)
+    two_i = gate_up.shape[-1]
+    x = gate_up.reshape(-1, two_i)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], two_i // 2, dtype=torch.bfloat16)
+    if x.shape[0]:
+        _lib().upesi_silu_mul_bf16(x.data_ptr(), x.shape[0], x.stride(0), two_i // 2, out.data_ptr())
+    return out.view(*gate_up.shape[:-1], two_i // 2)
+
+
+@functools.cache
+def available() -> bool:
+    """True where this library and every kernel it calls run on this machine."""
+    return (_lib() is not None and rows_gemm_bf16.available() and rms_norm.available()
+            and cpu_attention.available())
+
+
+def _fn(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer as the C stack reads it: norms [D], packed linears (+ biases), the layer's KV cache."""
+    norm1: torch.Tensor
+    qkv: RowsWeightBF16
+    qkv_bias: torch.Tensor | None
+    o: RowsWeightBF16
+    o_bias: torch.Tensor | None
+    norm2: torch.Tensor
+    gate_up: RowsWeightBF16
+    gate_up_bias: torch.Tensor | None
+    down: RowsWeightBF16
+    down_bias: torch.Tensor | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+class DecoderStack:
+    """The layers' pointers, gathered once; `run` takes a step's rows through every layer. It holds references to
+    every tensor it points into, so none can be freed under it."""
+
+    def __init__(self, layers: list[LayerWeights], heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
+        lw = layers[0]
+        self.hidden, self.inter = lw.o.out_features, lw.down.in_features
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.scale = head_dim ** -0.5
+        self.block_size = lw.k_cache.shape[1]
+        self._keep = [[t.to(torch.bfloat16).contiguous() if isinstance(t, torch.Tensor) else t
+                       for t in (lw_.norm1, lw_.qkv_bias, lw_.o_bias, lw_.norm2, lw_.gate_up_bias, lw_.down_bias)]
+                      for lw_ in layers]
+        ptrs = []
+        for lw_, (n1, bq, bo, n2, bg, bd) in zip(layers, self._keep):
+            p = [n1, lw_.qkv.panels, bq, lw_.o.panels, bo, n2, lw_.gate_up.panels, bg, lw_.down.panels, bd,
+                 lw_.k_cache, lw_.v_cache]
+            ptrs.append([0 if t is None else t.data_ptr() for t in p])
+        self._layers = layers
+        self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 12]
+        lib = _lib()
+        self._fns = torch.tensor([_fn(rows_gemm_bf16._lib(), "upesi_rows_gemm_bf16"),
+                                  _fn(rms_norm._lib(), "upesi_rms_norm"),
+                                  _fn(cpu_attention._lib(), "upesi_rope_store"),
+                                  _fn(cpu_attention._lib(), "upesi_paged_attention")], dtype=torch.int64)
+        self._lib = lib
+
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step's rows x [T, D] can go through C: bf16 on CPU, at most MAX_ROWS rows, every
+        sequence's new rows within the attention kernel's limit."""
+        return (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled()
+                and meta.max_query_len <= cpu_attention.MAX_ROWS)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, D] bf16 (the embeddings), cos / sin [T, Dh] bf16 -> the residual stream after the last layer
+        [T, D] (before the final norm)."""
+        x = x.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rows, blocks, _, longest, widest = cpu_attention.row_descriptors(meta)
+        dims = torch.tensor([len(self._layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
+                             self.block_size, torch.get_num_threads()], dtype=torch.int64)
+        bt = meta.block_tables
+        self._lib.upesi_decoder_bf16(self._fns.data_ptr(), dims.data_ptr(), self._ptrs.data_ptr(), self.eps,
+                                     self.scale, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+                                     meta.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1], rows.data_ptr(),
+                                     blocks.data_ptr(), len(blocks), longest, widest)
+        return x

@@ -1,0 +1,113 @@
+"""The decoder stack in one C call (shared/ops/decoder_bf16.c) against the model's modules, and its SwiGLU
+activation against torch's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM
+from shared.ops import decoder_bf16
+from shared.ops.packed_linear import pack_linears
+from shared.ops.paged_attention import AttentionMetadata
+from shared.tree import ancestor_mask, depths
+
+pytestmark = pytest.mark.skipif(not decoder_bf16.available(), reason="needs AVX512-BF16 and a C compiler")
+
+NB, BS = 48, 16
+
+
+def tiny_model(attention_bias: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=96, intermediate_size=200, num_layers=3,
+                      num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=512, attention_bias=attention_bias, mlp_bias=attention_bias)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg, 512)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    model = model.to(torch.bfloat16).eval()
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    pack_linears(model, keep_weight=("lm_head",))
+    return model
+
+
+def step(lens: list[int], qlens: list[int], trees: dict[int, list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions [T] and metadata of sequences with shuffled blocks; sequence b's new tokens are its last
+    qlens[b] (a draft tree's nodes sit at their depth after the root)."""
+    perm = torch.randperm(NB, generator=torch.Generator().manual_seed(5)).tolist()
+    tables, slots, starts, pos = [], [], [0], []
+    for b, (length, n) in enumerate(zip(lens, qlens)):
+        table, perm = perm[:-(-length // BS)], perm[-(-length // BS):]
+        tables.append(table)
+        slots += [table[p // BS] * BS + p % BS for p in range(length - n, length)]
+        c = length - n
+        pos += [c] + [c + d for d in depths(trees[b])] if b in trees else list(range(c, length))
+        starts.append(starts[-1] + n)
+    mb = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (mb - len(t)) for t in tables]),
+        seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(starts),
+        num_decodes=sum(1 for n in qlens if n == 1), query_lens=qlens, seq_lens_host=lens, max_query_len=max(qlens),
+        tree_masks={b: ancestor_mask(p) for b, p in trees.items()})
+    return torch.tensor(pos), meta
+
+
+def caches(model: LlamaForCausalLM, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (NB, BS, model.cfg.num_kv_heads, model.cfg.head_dim)
+    return [(torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16())
+            for _ in model.layers]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lens,qlens,trees", [
+    ([37], [1], {}),                                                    # one decode
+    ([37, 5, 60, 20], [1, 1, 1, 1], {}),                                # a batch of decodes
+    ([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]}),         # a decode, a tree, a short prefill chunk
+])
+def test_stack_equals_modules_bit_for_bit(bias, lens, qlens, trees):
+    model = tiny_model(attention_bias=bias)
+    kv_stack, kv_mod = caches(model, 1), caches(model, 1)
+    pos, meta = step(lens, qlens, trees)
+    ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = model(ids, pos, meta, kv_stack)
+        assert model._stack[1] is not None, "the C stack was not built for a plain bf16 Llama"
+        x = model.embed_tokens(ids)
+        cos, sin = model.rope_cos[pos].to(x.dtype), model.rope_sin[pos].to(x.dtype)
+        for layer, kv in zip(model.layers, kv_mod):
+            x = layer(x, cos, sin, meta, kv)
+        want = model.norm(x)
+    assert torch.equal(got, want)
+    for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_stack_is_rebuilt_when_a_layer_changes_and_skipped_for_long_steps():
+    model = tiny_model()
+    kv = caches(model, 3)
+    pos, meta = step([40], [1], {})
+    with torch.inference_mode():
+        model(torch.tensor([7]), pos, meta, kv)
+        first = model._stack[1]
+        assert first is not None
+        model.layers[1].mlp = torch.nn.Identity()             # another kind of FFN: the modules run every layer
+        model(torch.tensor([7]), pos, meta, kv)
+        assert model._stack[1] is None
+    assert not first.takes(torch.zeros(decoder_bf16.MAX_ROWS + 1, 96, dtype=torch.bfloat16), meta)
+    assert not first.takes(torch.zeros(1, 96), meta)         # fp32
+
+
+def test_silu_mul_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    gu = (torch.randn(7, 2 * 53, generator=g) * torch.tensor([0.01, 1.0, 8.0, 40.0, 100.0, 0.3, 3.0])[:, None])
+    gu = gu.bfloat16()
+    gu[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
+    got, want = decoder_bf16.silu_mul(gu), decoder_bf16.silu_mul_reference(gu)
+    assert got.dtype == torch.bfloat16 and got.shape == (7, 53)
+    # torch's exp and the kernel's may differ in the last fp32 bit, so at most one bf16 rounding step apart
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-30)
+    assert (got != want).float().mean() < 0.01
+    f32 = gu.float()
+    assert torch.equal(decoder_bf16.silu_mul(f32), decoder_bf16.silu_mul_reference(f32))   # fp32: torch itself
