@@ -30,7 +30,12 @@ from shared.ops.rows_gemm_bf16 import RowsWeightBF16
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp",
          "-shared", "-fPIC"]
-MAX_ROWS = rows_gemm_bf16.MAX_ROWS        # the rows GEMM's limit: more rows (prefills) take the module path
+
+def max_rows() -> int:
+    """Rows a step may have to go through C: the rows GEMM's limit, or with AMX the rows it keeps from oneDNN
+    (more take the module path, whose linear layers then run on oneDNN's AMX kernels)."""
+    return rows_gemm_bf16.amx_rows() or rows_gemm_bf16.MAX_ROWS
+
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
@@ -127,7 +132,7 @@ class DecoderStack:
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's rows x [T, D] can go through C: bf16 on CPU, at most MAX_ROWS rows, every
         sequence's new rows within the attention kernel's limit."""
-        return (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled()
+        return (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= max_rows() and not torch.is_grad_enabled()
                 and meta.max_query_len <= cpu_attention.MAX_ROWS)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

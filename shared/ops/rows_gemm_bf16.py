@@ -9,14 +9,21 @@ Not bit-identical to oneDNN (another summation order); checked against an fp32 r
 
 Compiled at first use by shared.ops.c_build (-mavx512bf16) and loaded with ctypes. Where it cannot run (no
 avx512_bf16 flag, no compiler, UPESI_ROWS_GEMM=0, a self-check that disagrees) `available()` is False and bf16
-linear layers stay on oneDNN (shared.ops.packed_linear). Steps over more than MAX_ROWS rows (prefills) go to oneDNN,
-whose blocking suits them better. Shapes: M = rows, K = in features, N = out features, KK = K / 2, P = panels.
+linear layers stay on oneDNN (shared.ops.packed_linear).
+
+On CPUs with AMX (amx_bf16) oneDNN's tile multiplies make a matmul's cost nearly flat in its rows: streaming the
+default model's 121 linear layers took 10-11 ms at 1 to 16 rows and 13 ms at 32 there, against this kernel's
+8.0 ms at 1 row, 10 at 4, 14 at 9 and 38 at 32 (docs/performance.md). There a RowsWeightBF16 also keeps oneDNN's
+prepacked copy and calls with more than `amx_rows()` rows (verifications, batches, prefills) take it (twice the
+weights' memory; UPESI_AMX=0 keeps only the panels). Shapes: M = rows, K = in features, N = out features, KK = K / 2,
+P = panels.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -31,7 +38,25 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 PANEL, TILE = 16, 64          # output columns per panel; per tile of 4 panels (N is padded to a multiple)
-MAX_ROWS = 24                 # more rows than this: oneDNN
+MAX_ROWS = 24                 # the fused decoder's limit (shared.ops.decoder_bf16) where there is no AMX
+AMX_ROWS = 9                  # with AMX: more rows than this go to oneDNN (a 9-row verification stays)
+
+
+@functools.cache
+def _amx() -> bool:
+    if "amx_bf16" not in cpu_flags() or os.environ.get("UPESI_AMX", "1") in ("0", "false", "no"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def amx_rows() -> int | None:
+    """The most rows this kernel takes where oneDNN has AMX (more go to oneDNN's prepacked copy), or None where
+    every call stays here (no AMX, UPESI_AMX=0, no oneDNN packing)."""
+    return AMX_ROWS if _amx() else None
 
 
 @functools.cache
@@ -100,8 +125,19 @@ def run(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
 
 
 class RowsWeightBF16(RowsWeight):
-    """An [N, K] bf16 weight in this kernel's panels for `rows_linear`."""
+    """An [N, K] bf16 weight in this kernel's panels for `rows_linear`, and where AMX runs (`amx_rows`) oneDNN's
+    prepacked copy for calls with more rows."""
     pack, unpack = staticmethod(pack), staticmethod(unpack)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if amx_rows() else None
+
+    @property
+    def nbytes(self) -> int:
+        """The panels' bytes, plus the weight's for oneDNN's copy where there is one."""
+        copy = self.out_features * self.in_features * 2 if self.onednn is not None else 0
+        return self.panels.numel() * self.panels.element_size() + copy
 
 
 def rows_linear(x: torch.Tensor, w: RowsWeightBF16, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,4 +145,9 @@ def rows_linear(x: torch.Tensor, w: RowsWeightBF16, bias: torch.Tensor | None = 
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
         return F.linear(x, w.weight.to(x.dtype), bias)
     lead = x.shape[:-1]
-    return run(x.reshape(-1, w.in_features), w.panels, w.out_features, bias).view(*lead, w.out_features)
+    x2 = x.reshape(-1, w.in_features)
+    if w.onednn is not None and x2.shape[0] > AMX_ROWS:
+        y = torch.ops.mkldnn._linear_pointwise(x2, w.onednn, None if bias is None else bias.to(torch.bfloat16),
+                                               "none", [], "")
+        return y.view(*lead, w.out_features)
+    return run(x2, w.panels, w.out_features, bias).view(*lead, w.out_features)

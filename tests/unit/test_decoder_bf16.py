@@ -7,7 +7,7 @@ import torch
 
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
-from shared.ops import decoder_bf16
+from shared.ops import decoder_bf16, rows_gemm_bf16
 from shared.ops.packed_linear import pack_linears
 from shared.ops.paged_attention import AttentionMetadata
 from shared.tree import ancestor_mask, depths
@@ -66,7 +66,10 @@ def caches(model: LlamaForCausalLM, seed: int) -> list[tuple[torch.Tensor, torch
     ([37, 5, 60, 20], [1, 1, 1, 1], {}),                                # a batch of decodes
     ([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]}),         # a decode, a tree, a short prefill chunk
 ])
-def test_stack_equals_modules_bit_for_bit(bias, lens, qlens, trees):
+def test_stack_equals_modules_bit_for_bit(bias, lens, qlens, trees, monkeypatch):
+    # with AMX, calls of more than 4 rows go to oneDNN in both paths; here every call stays on the rows kernel
+    monkeypatch.setattr(rows_gemm_bf16, "AMX_ROWS", 64)
+    monkeypatch.setattr(decoder_bf16, "max_rows", lambda: 64)
     model = tiny_model(attention_bias=bias)
     kv_stack, kv_mod = caches(model, 1), caches(model, 1)
     pos, meta = step(lens, qlens, trees)
@@ -74,6 +77,7 @@ def test_stack_equals_modules_bit_for_bit(bias, lens, qlens, trees):
     with torch.inference_mode():
         got = model(ids, pos, meta, kv_stack)
         assert model._stack[1] is not None, "the C stack was not built for a plain bf16 Llama"
+        assert model._stack[1].takes(model.embed_tokens(ids), meta)
         x = model.embed_tokens(ids)
         cos, sin = model.rope_cos[pos].to(x.dtype), model.rope_sin[pos].to(x.dtype)
         for layer, kv in zip(model.layers, kv_mod):
@@ -95,7 +99,7 @@ def test_stack_is_rebuilt_when_a_layer_changes_and_skipped_for_long_steps():
         model.layers[1].mlp = torch.nn.Identity()             # another kind of FFN: the modules run every layer
         model(torch.tensor([7]), pos, meta, kv)
         assert model._stack[1] is None
-    assert not first.takes(torch.zeros(decoder_bf16.MAX_ROWS + 1, 96, dtype=torch.bfloat16), meta)
+    assert not first.takes(torch.zeros(decoder_bf16.max_rows() + 1, 96, dtype=torch.bfloat16), meta)
     assert not first.takes(torch.zeros(1, 96), meta)         # fp32
 
 
@@ -111,3 +115,20 @@ def test_silu_mul_matches_torch():
     assert (got != want).float().mean() < 0.01
     f32 = gu.float()
     assert torch.equal(decoder_bf16.silu_mul(f32), decoder_bf16.silu_mul_reference(f32))   # fp32: torch itself
+
+
+def test_with_amx_more_rows_than_the_kernel_keeps_go_to_onednn():
+    """Where oneDNN has AMX, a weight keeps both packings and a call takes oneDNN past amx_rows() rows: equal to
+    F.linear there, and the fused stack leaves such steps to the modules."""
+    if rows_gemm_bf16.amx_rows() is None:
+        pytest.skip("no AMX here: every call stays on the rows kernel")
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(72, 40, generator=g).bfloat16()
+    packed = rows_gemm_bf16.RowsWeightBF16(w)
+    assert packed.onednn is not None
+    many = torch.randn(rows_gemm_bf16.AMX_ROWS + 3, 40, generator=g).bfloat16()
+    assert torch.equal(rows_gemm_bf16.rows_linear(many, packed), F.linear(many, w))
+    few = many[:rows_gemm_bf16.AMX_ROWS]
+    assert torch.equal(rows_gemm_bf16.rows_linear(few, packed), rows_gemm_bf16.run(few, packed.panels, 72))
+    assert decoder_bf16.max_rows() == rows_gemm_bf16.AMX_ROWS
