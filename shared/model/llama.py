@@ -22,14 +22,18 @@ from shared.ops.rope import apply_rope, rope_tables
 KVCache = tuple[torch.Tensor, torch.Tensor]   # per layer: k, v [NB, BS, KVH, Dh]
 
 
-def reject_sliding_window(cfg: ModelConfig, max_len: int) -> None:
-    """Sliding-window attention is not implemented: refuse a served context longer than the window (past it the
-    output would differ from the model's), naming the setting that serves the model exactly."""
+def layer_windows(cfg: ModelConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), read as transformers reads the config: `layer_types`
+    where it lists them (Qwen2/3, Gemma), Qwen's `max_window_layers` (the layers from it on), else the window on
+    every layer unless `use_sliding_window` is false (Mistral, Phi-3)."""
     x = cfg.extra
-    window = x.get("sliding_window") if x.get("use_sliding_window", True) else None
-    if window and window < max_len:
-        raise ValueError(f"{cfg.architecture}: sliding-window attention (window {window}) is not supported; "
-                         f"serve with max_model_len <= {window}")
+    window = x.get("sliding_window") or None
+    if window is None or not x.get("use_sliding_window", True):
+        return [None] * cfg.num_layers
+    if x.get("layer_types"):
+        return [window if t == "sliding_attention" else None for t in x["layer_types"]]
+    first = x.get("max_window_layers", 0) if cfg.architecture.startswith("qwen") else 0
+    return [window if i >= first else None for i in range(cfg.num_layers)]
 
 
 class RMSNorm(nn.Module):
@@ -46,9 +50,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.h, self.kvh, self.dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = window                                              # sliding window, None: every position
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.dh, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.dh, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = self.dh ** -0.5
@@ -60,13 +65,13 @@ class Attention(nn.Module):
         q = qkv[:, :self.h * self.dh].view(t, self.h, self.dh)            # [T, H, Dh], rows strided
         if not torch.is_grad_enabled() and qkv.is_contiguous() and cpu_attention.supports(q, kv[0]):
             cpu_attention.rope_store(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, self.h, self.kvh, self.dh)
-            o = cpu_attention.paged_attention(q, kv[0], kv[1], meta, self.scale)   # q rotated in place
+            o = cpu_attention.paged_attention(q, kv[0], kv[1], meta, self.scale, self.window)   # q rotated in place
             return self.o_proj(o.reshape(t, self.h * self.dh))
         q, k, v = qkv.split([self.h * self.dh, self.kvh * self.dh, self.kvh * self.dh], dim=-1)
         q = apply_rope(q.view(t, self.h, self.dh), cos, sin)              # [T, H, Dh]
         k = apply_rope(k.view(t, self.kvh, self.dh), cos, sin)            # [T, KVH, Dh]
         write_kv(kv[0], kv[1], k, v.view(t, self.kvh, self.dh), meta.slot_mapping)
-        o = paged_attention(q, kv[0], kv[1], meta, self.scale)            # [T, H, Dh]
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale, self.window)   # [T, H, Dh]
         return self.o_proj(o.reshape(t, self.h * self.dh))
 
 
@@ -84,10 +89,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
@@ -102,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in layer_windows(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -211,7 +216,7 @@ def _build_stack(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> decoder_b
         layers.append(decoder_bf16.LayerWeights(
             layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, attn.qkv_proj.bias, attn.o_proj.packed,
             attn.o_proj.bias, layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed,
-            mlp.gate_up_proj.bias, mlp.down_proj.packed, mlp.down_proj.bias, k, v))
+            mlp.gate_up_proj.bias, mlp.down_proj.packed, mlp.down_proj.bias, k, v, attn.window))
     eps = {layer.input_layernorm.eps for layer in model.layers} | {layer.post_attention_layernorm.eps
                                                                     for layer in model.layers}
     if len(eps) != 1:
@@ -227,8 +232,4 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama decoder; its sliding window (Mistral 7B v0.1) is refused where it would apply."""
-
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
-        reject_sliding_window(cfg, max_len)
-        super().__init__(cfg, max_len)
+    """Mistral: the Llama decoder, with the sliding window of its config (Mistral 7B v0.1) on every layer."""

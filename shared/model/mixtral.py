@@ -7,7 +7,7 @@ expert's gate / up / down projections.
 from __future__ import annotations
 
 from shared.model.config import ModelConfig
-from shared.model.llama import DecoderLayer, reject_sliding_window
+from shared.model.llama import DecoderLayer
 from shared.model.moe import MoEBlock, MoECausalLM, RoutingConfig
 
 
@@ -16,7 +16,6 @@ class MixtralForCausalLM(MoECausalLM):
                 (".w2.", ".down_proj."))
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
-        reject_sliding_window(cfg, max_len)
         x = cfg.extra
         self.routing = RoutingConfig("softmax_topk", x["num_local_experts"], x["num_experts_per_tok"],
                                      renormalize=True)

@@ -11,14 +11,13 @@ Shapes: T = tokens, H / KVH = query / kv heads, Dh = head dim.
 from __future__ import annotations
 
 from shared.model.config import ModelConfig
-from shared.model.llama import DecoderLayer, reject_sliding_window
+from shared.model.llama import DecoderLayer
 from shared.model.moe import MoEBlock, MoECausalLM, RoutingConfig
 from shared.model.qwen import QKNormAttention, QKVBiasAttention
 
 
 class _QwenMoE(MoECausalLM):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
-        reject_sliding_window(cfg, max_len)
         x = cfg.extra
         self.num_experts = x.get("num_experts", x.get("num_local_experts", 0))
         self.routing = RoutingConfig("softmax_topk", self.num_experts, x["num_experts_per_tok"],
@@ -34,7 +33,7 @@ class _QwenMoE(MoECausalLM):
 class Qwen2MoeForCausalLM(_QwenMoE):
     def build_layer(self, i: int, layer: DecoderLayer) -> None:
         x = self.cfg.extra
-        layer.self_attn = QKVBiasAttention(self.cfg, x.get("qkv_bias", True))
+        layer.self_attn = QKVBiasAttention(self.cfg, x.get("qkv_bias", True), window=layer.self_attn.window)
         if self.is_sparse(i):
             layer.mlp = MoEBlock(i, self.cfg.hidden_size, x["moe_intermediate_size"], self.routing,
                                  shared_inter=x.get("shared_expert_intermediate_size", 0), shared_gate=True)
@@ -42,6 +41,6 @@ class Qwen2MoeForCausalLM(_QwenMoE):
 
 class Qwen3MoeForCausalLM(_QwenMoE):
     def build_layer(self, i: int, layer: DecoderLayer) -> None:
-        layer.self_attn = QKNormAttention(self.cfg)
+        layer.self_attn = QKNormAttention(self.cfg, window=layer.self_attn.window)
         if self.is_sparse(i):
             layer.mlp = MoEBlock(i, self.cfg.hidden_size, self.cfg.extra["moe_intermediate_size"], self.routing)

@@ -9,11 +9,11 @@ from shared.ops.paged_attention import MAX_TREE, AttentionMetadata, paged_attent
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [T, H, Dh] against the paged cache -> [T, H, Dh]."""
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """q [T, H, Dh] against the paged cache -> [T, H, Dh]; `window`: a sliding window of that many positions."""
     if q.is_cuda and all(m.shape[0] <= MAX_TREE for m in meta.tree_masks.values()):   # bigger trees: the reference
         from shared.ops.paged_attention_triton import paged_attention_triton  # imported only where it runs
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window)
     if cpu_attention.supports(q, k_cache):
-        return cpu_attention.paged_attention(q, k_cache, v_cache, meta, scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return cpu_attention.paged_attention(q, k_cache, v_cache, meta, scale, window)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, window)

@@ -214,7 +214,7 @@ static inline void axpy_tile1(float *a, const float *w, const float *v, int dh, 
 void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache,
                            const void *v_cache, const int64_t *block_tables, int64_t mb, int bs,
                            const int64_t *rows, const int64_t *blocks, int64_t nblocks, int h, int kvh, int dh,
-                           float scale, int bf16, int64_t max_len, int64_t max_rows) {
+                           float scale, int bf16, int64_t max_len, int64_t max_rows, int64_t window) {
     int g = h / kvh, dv = dh / 8;                               // dh is a multiple of 8 (checked by the caller)
     int64_t work = nblocks * kvh, cap = (max_len > 0 ? max_len : 1) + 8;
     #pragma omp parallel if (work > 1)
@@ -224,6 +224,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         float *qv = malloc(sizeof(float) * (size_t)(max_rows * g * dh));
         float *acc = malloc(sizeof(float) * (size_t)(max_rows * g * dh));
         float *kept = malloc(sizeof(float) * (size_t)cap);
+        unsigned char *on = malloc((size_t)cap);                // a tree row: which positions it attends
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)cap);
         float kv[8 * 512];
         #pragma omp for schedule(static)
@@ -235,6 +236,16 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
             for (int64_t r = 0; r < nr; r++) last_j = d0[r * 5 + 3] > last_j ? d0[r * 5 + 3] : last_j;
             const int64_t *table = block_tables + d0[1] * mb;
             int64_t n = ctx + last_j + 1, npad = (n + 7) / 8 * 8;   // the positions any row of the block attends
+            // a sliding window: row r attends positions >= lo[r] only (its position less window - 1), and the
+            // tiles before every row's window are skipped
+            int64_t lo[65], p_start = n;
+            for (int64_t r = 0; r < nr; r++) {
+                uint64_t rb = (uint64_t)d0[r * 5 + 4];
+                int64_t pos = ctx + (rb == ~(uint64_t)0 ? d0[r * 5 + 3] : __builtin_popcountll(rb));
+                lo[r] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                p_start = lo[r] < p_start ? lo[r] : p_start;
+            }
+            p_start = p_start / 8 * 8;
             for (int64_t p = 0, b = 0; p < n; b++) {
                 int64_t base = table[b] * bs;
                 for (int o = 0; o < bs && p < n; o++) slots[p++] = base + o;
@@ -244,7 +255,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
                     load_row(q, d0[r * 5] * q_stride + (int64_t)(grp * g + e) * dh, dh, bf16, qv + (r * g + e) * dh);
             // scores, 8 positions at a time, each K row read once for all rows: every position's q . k is its own
             // 8 lanes (fused multiply-adds over the head dim in order) summed by one tree, whatever the chunk
-            for (int64_t p0 = 0; p0 < npad; p0 += 8) {
+            for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
                 load_tile(k_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
                 for (int64_t re = 0; re < nr * g; re++)
                     _mm256_storeu_ps(scores + re * cap + p0,
@@ -252,47 +263,53 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
             }
             // softmax of each row and head over the positions it attends; the others weigh 0 below
             for (int64_t r = 0; r < nr; r++) {
-                int64_t j = d0[r * 5 + 3], end = ctx + j + 1;     // a causal row attends [0, end)
+                int64_t j = d0[r * 5 + 3], end = ctx + j + 1, l0 = lo[r];   // a causal row attends [l0, end)
                 uint64_t bits = (uint64_t)d0[r * 5 + 4];
                 int causal = bits == ~(uint64_t)0;
                 for (int e = 0; e < g; e++) {
                     float *sc = scores + (r * g + e) * cap, m = -INFINITY;
                     if (causal) {
                         __m256 mx = _mm256_set1_ps(-INFINITY);
-                        int64_t p = 0;
+                        int64_t p = l0;
                         for (; p + 8 <= end; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + p));
                         float lanes[8];
                         _mm256_storeu_ps(lanes, mx);
                         for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
                         for (; p < end; p++) m = sc[p] > m ? sc[p] : m;
-                    } else {
-                        for (int64_t p = 0; p < end; p++)
-                            if (attends(p, ctx, j, bits) && sc[p] > m) m = sc[p];
+                    } else {                   // a tree: its k-th attended new token sits at position ctx + k
+                        for (int64_t p = p_start < ctx ? p_start : ctx, k = 0; p < npad; p++) {   // k from the root
+                            int in = p < end && attends(p, ctx, j, bits);
+                            if (in && p >= ctx) in = ctx + k++ >= l0;
+                            else if (in) in = p >= l0;
+                            on[p] = (unsigned char)in;
+                            if (in && sc[p] > m) m = sc[p];
+                        }
                     }
                     __m256 mv = _mm256_set1_ps(m);
-                    for (int64_t p = 0; p < npad; p += 8)
+                    for (int64_t p = p_start; p < npad; p += 8)
                         _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), mv)));
                     float total;
                     if (causal) {
-                        total = ordered_sum(sc, end);
+                        total = ordered_sum(sc + l0, end - l0);
+                        for (int64_t p = p_start; p < l0; p++) sc[p] = 0.f;
                         for (int64_t p = end; p < npad; p++) sc[p] = 0.f;
                     } else {                                   // the attended scores side by side, in order
                         int64_t kn = 0;
-                        for (int64_t p = 0; p < npad; p++) {
-                            if (p < end && attends(p, ctx, j, bits)) kept[kn++] = sc[p];
+                        for (int64_t p = p_start; p < npad; p++) {
+                            if (on[p]) kept[kn++] = sc[p];
                             else sc[p] = 0.f;
                         }
                         total = ordered_sum(kept, kn);
                     }
                     __m256 inv = _mm256_set1_ps(1.f / total);
-                    for (int64_t p = 0; p < npad; p += 8)
+                    for (int64_t p = p_start; p < npad; p += 8)
                         _mm256_storeu_ps(sc + p, _mm256_mul_ps(_mm256_loadu_ps(sc + p), inv));
                 }
             }
             // weighted sum of V, 8 positions at a time, each V row read once: every output lane adds its
             // positions' products in position order (a position a row does not attend adds 0 x v)
             memset(acc, 0, sizeof(float) * (size_t)(nr * g * dh));
-            for (int64_t p0 = 0; p0 < npad; p0 += 8) {
+            for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
                 load_tile(v_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
                 int cnt = (int)(n - p0 < 8 ? n - p0 : 8);
                 for (int64_t re = 0; re < nr * g; re++) {
@@ -312,6 +329,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         free(qv);
         free(acc);
         free(kept);
+        free(on);
         free(slots);
     }
 }

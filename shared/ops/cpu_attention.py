@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from shared.ops import c_build
-from shared.ops.paged_attention import AttentionMetadata, _extend
+from shared.ops.paged_attention import AttentionMetadata, _extend, paged_attention_ref
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.upesi_rope_store.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P,
                                      ctypes.c_int]
     lib.upesi_paged_attention.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _P, _I, ctypes.c_int,
-                                          ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, _I, _I]
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, _I, _I, _I]
     for fn in (lib.upesi_rope_store, lib.upesi_paged_attention):
         fn.restype = None
     return lib
@@ -70,7 +70,7 @@ def available() -> bool:
 def _agrees() -> bool:
     """A step of a decode, a 5-token chain and a 3-node draft tree over 2 KV heads x 2 query heads each, fp32: the
     kernel's attention within 1e-5 of the reference and its RoPE + store equal to apply_rope + write_kv."""
-    from shared.ops.paged_attention import paged_attention_ref, write_kv
+    from shared.ops.paged_attention import write_kv
     from shared.ops.rope import apply_rope
     from shared.tree import ancestor_mask
     g = torch.Generator().manual_seed(0)
@@ -153,8 +153,9 @@ def _tree_bits(mask: torch.Tensor) -> list[int]:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [T, H, Dh] (rows may be strided, heads contiguous) against the paged cache -> [T, H, Dh]."""
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """q [T, H, Dh] (rows may be strided, heads contiguous) against the paged cache -> [T, H, Dh]; `window`: a
+    sliding window of that many positions (tiles before every row's window are not read)."""
     t, h, dh = q.shape
     if q.stride(2) != 1 or q.stride(1) != dh:
         q = q.contiguous()
@@ -165,9 +166,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),
                                      v_cache.data_ptr(), bt.data_ptr(), bt.shape[1], k_cache.shape[1],
                                      rows.data_ptr(), blocks.data_ptr(), len(blocks), h, k_cache.shape[2], dh,
-                                     scale, int(q.dtype == torch.bfloat16), longest, widest)
+                                     scale, int(q.dtype == torch.bfloat16), longest, widest, window or 0)
     for b, lo in long:
         n = meta.query_lens[b]
+        if window:                                  # a long chunk with a window: the reference on its own rows
+            one = AttentionMetadata(meta.slot_mapping[lo:lo + n], meta.block_tables[b:b + 1],
+                                    meta.seq_lens[b:b + 1], torch.tensor([0, n]), 0, [n],
+                                    [meta.seq_lens_host[b]], n, {0: meta.tree_masks[b]} if b in meta.tree_masks else {})
+            out[lo:lo + n] = paged_attention_ref(q[lo:lo + n], k_cache, v_cache, one, scale, window)
+            continue
         out[lo:lo + n] = _extend(q[lo:lo + n], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_host[b],
                                  scale, meta.tree_masks.get(b))
     return out

@@ -17,7 +17,8 @@ typedef void (*norm_fn)(const void *, int64_t, int64_t, int64_t, const void *, f
 typedef void (*rope_fn)(void *, int64_t, int64_t, int, int, int, const void *, const void *, void *, void *,
                         const int64_t *, int);
 typedef void (*attn_fn)(const void *, int64_t, void *, int64_t, const void *, const void *, const int64_t *, int64_t,
-                        int, const int64_t *, const int64_t *, int64_t, int, int, int, float, int, int64_t, int64_t);
+                        int, const int64_t *, const int64_t *, int64_t, int, int, int, float, int, int64_t, int64_t,
+                        int64_t);
 
 // 16 lanes of bf16 -> fp32, and fp32 -> bf16 rounded to nearest even as f32_to_bf16 (NaN kept quiet).
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
@@ -75,12 +76,13 @@ static void add_rows(uint16_t *x, const uint16_t *a, int64_t n) {
     }
 }
 
-enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, PER_LAYER };
+enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, WINDOW, PER_LAYER };
 enum { F_GEMM, F_NORM, F_ROPE, F_ATTN };
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS };
 
 // x [T, D] bf16, in place: the residual stream after every layer (before the final norm).
-// fns [4]: the kernels; dims [8]; layers [L, PER_LAYER] pointers (biases may be 0); cos, sin [T, Dh] bf16;
+// fns [4]: the kernels; dims [8]; layers [L, PER_LAYER] pointers (biases may be 0) and the layer's sliding window
+// (0: none); cos, sin [T, Dh] bf16;
 // slots [T]; block_tables [B, MB]; rows [R, 5] and blocks [NB, 2]: shared.ops.cpu_attention's descriptors.
 void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *layers, float eps, float scale,
                         uint16_t *x, int64_t t, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
@@ -106,7 +108,7 @@ void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *
         gemm(nx, t, d, d, (const uint16_t *)w[W_QKV], (const uint16_t *)w[B_QKV], nqkv, qkv, nqkv, threads);
         rope(qkv, t, nqkv, h, kvh, dh, cos, sin, (void *)w[K_CACHE], (void *)w[V_CACHE], slots, 1);
         attn(qkv, nqkv, o, nq, (const void *)w[K_CACHE], (const void *)w[V_CACHE], block_tables, mb, bs, rows,
-             blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows);
+             blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows, w[WINDOW]);
         gemm(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);
         add_rows(x, a, t * d);
         norm(x, t, d, d, (const void *)w[W_NORM2], eps, nx, 1);

@@ -100,6 +100,7 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    window: int | None = None              # sliding window of the layer's attention
 
 
 class DecoderStack:
@@ -119,9 +120,9 @@ class DecoderStack:
         for lw_, (n1, bq, bo, n2, bg, bd) in zip(layers, self._keep):
             p = [n1, lw_.qkv.panels, bq, lw_.o.panels, bo, n2, lw_.gate_up.panels, bg, lw_.down.panels, bd,
                  lw_.k_cache, lw_.v_cache]
-            ptrs.append([0 if t is None else t.data_ptr() for t in p])
+            ptrs.append([0 if t is None else t.data_ptr() for t in p] + [lw_.window or 0])
         self._layers = layers
-        self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 12]
+        self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 13]
         lib = _lib()
         self._fns = torch.tensor([_fn(rows_gemm_bf16._lib(), "upesi_rows_gemm_bf16"),
                                   _fn(rms_norm._lib(), "upesi_rms_norm"),

@@ -10,7 +10,8 @@ Token order in a step: the sequences with exactly one new token (decodes) come f
 the sequences with several new tokens (prefill chunks, later speculative verification), contiguous.
 New token j of sequence b sits at position seq_lens[b] - query_lens[b] + j and attends causally to every
 cached position up to and including its own; a draft tree being verified attends as its mask says instead
-(meta.tree_masks, shared.tree).
+(meta.tree_masks, shared.tree). With a sliding window W (Mistral, Gemma's local layers) a row at position p
+attends only positions > p - W, its own included; a tree node's position is its root's plus its depth.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class AttentionMetadata:
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     tree_bits: torch.Tensor | None = None    # [T] int64, the Triton kernel's form of tree_masks (built on first use)
     cpu_rows: tuple | None = None            # the CPU kernel's row descriptors (shared.ops.cpu_attention, first use)
+    row_positions: torch.Tensor | None = None  # [T] int64, each row's position, for sliding windows (first use)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -138,9 +140,46 @@ MAX_TREE = 65   # new tokens of a draft tree (root + 64 nodes) the Triton kernel
 SHORT = 16      # sequences with at most this many new tokens are batched together
 
 
+def row_positions(meta: AttentionMetadata) -> torch.Tensor:
+    """[T] int64 on the host: each new token's position in its sequence (a tree node: its root's plus its depth)."""
+    out = []
+    for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
+        tree = meta.tree_masks.get(b)
+        if tree is None:
+            out.extend(range(length - n, length))
+        else:
+            out.extend((length - n + tree.cpu().sum(-1) - 1).tolist())     # a row attends its ancestors and itself
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+              window: int) -> torch.Tensor:
+    """The sliding-window reference, one sequence at a time: the causal or tree mask narrowed to the window."""
+    out = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
+    pos = row_positions(meta).to(q.device)
+    start = 0
+    for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
+        k = _gather(k_cache, meta.block_tables[b][None], length)          # [1, KVH, L, Dh]
+        v = _gather(v_cache, meta.block_tables[b][None], length)
+        # each cached and new token's position (a tree node's: its root's plus its depth)
+        kpos = torch.cat([torch.arange(length - n, device=q.device), pos[start:start + n]])[None, :]   # [1, L]
+        qpos = pos[start:start + n, None]                                   # [Q, 1]
+        mask = (kpos <= qpos) & (kpos > qpos - window)                      # [Q, L]
+        tree = meta.tree_masks.get(b)
+        if tree is not None:
+            mask[:, length - n:] &= tree.to(q.device)
+        qh = q[start:start + n].transpose(0, 1)[None].to(k.dtype)           # [1, H, Q, Dh]
+        out[start:start + n] = gqa_attention(qh, k, v, mask[None, None], scale)[0].transpose(0, 1)
+        start += n
+    return out.to(q.dtype)
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, Dh] against the paged cache (already holding this step's K/V) -> [T, H, Dh]."""
+                        meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """q [T, H, Dh] against the paged cache (already holding this step's K/V) -> [T, H, Dh]; `window`: each row
+    attends its last `window` positions only."""
+    if window:
+        return _windowed(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
     nd = meta.num_decodes
     if nd:

@@ -39,13 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.ops.paged_attention import MAX_TREE, AttentionMetadata
+from shared.ops.paged_attention import MAX_TREE, AttentionMetadata, row_positions
 
 LOG2E = 1.4426950408889634
 # tl.max / tl.sum are @jit wrappers around these: calling them breaks the interpreter when triton was imported before
 # TRITON_INTERPRET was set (like tl.zeros), while tl.reduce is a builtin and the interpreter maps these to numpy
 _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
+_MIN = tl.standard._elementwise_min
 
 
 class PagedAttentionError(ValueError):
@@ -54,13 +55,15 @@ class PagedAttentionError(ValueError):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bits_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bits_ptr, pos_ptr,
     qk_scale,                                                   # softmax scale * log2(e): scores go through exp2
+    window,                                                     # sliding window (read with HAS_WINDOW)
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,                 # k and v caches share one layout
     stride_btb, stride_btm,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, HAS_TREE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     b = tl.program_id(0)
@@ -94,8 +97,13 @@ def _paged_attention_kernel(
         acc = tl.full((BLOCK_M, D_PAD), 0.0, tl.float32)       # [BM, D]
 
         kv_end = tl.minimum(seq_len, seq_len - q_len + (qb + 1) * BLOCK_Q)   # past the tile's last causal position
+        kv_start = 0
+        if HAS_WINDOW:                                          # each row attends (its position - window, ...]
+            row_lo = tl.load(pos_ptr + q_start + qi, mask=row_ok, other=0) - window + 1                # [BM]
+            tile_lo = tl.reduce(tl.where(row_ok, row_lo, 1 << 40), 0, _MIN)
+            kv_start = (tl.maximum(tile_lo, 0) // BLOCK_N) * BLOCK_N       # blocks before every row's window: skipped
         offs_n = tl.arange(0, BLOCK_N)                          # [BN]
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range(kv_start, kv_end, BLOCK_N):
             pos = start + offs_n                                # [BN] logical positions
             pos_ok = pos < kv_end
             block = tl.load(bt_ptr + b * stride_btb + (pos // BLOCK_SIZE) * stride_btm, mask=pos_ok, other=0)
@@ -113,6 +121,12 @@ def _paged_attention_kernel(
                 shift = tl.minimum(tl.maximum(rel - 1, 0), 63).to(tl.int64)
                 bit = (bits[:, None] >> shift[None, :]) & 1                          # [BM, BN]
                 causal = causal & ((rel[None, :] <= 0) | (rel[None, :] > 64) | (bit != 0))
+            if HAS_WINDOW:
+                kpos = pos                                      # [BN] a tree node's position: root + its depth
+                if HAS_TREE:
+                    new = (pos >= seq_len - q_len) & pos_ok
+                    kpos = tl.where(new, tl.load(pos_ptr + q_start + pos - (seq_len - q_len), mask=new, other=0), pos)
+                causal = causal & (kpos[None, :] >= row_lo[:, None])
             s = tl.where(causal, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))                               # [BM]
             alpha = tl.exp2(m_i - m_new)
@@ -156,12 +170,13 @@ def _tiles(group: int, max_query_len: int, block_n: int | None) -> tuple[int, in
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, block_n: int | None = None) -> torch.Tensor:
+                           meta: AttentionMetadata, scale: float, block_n: int | None = None,
+                           window: int | None = None) -> torch.Tensor:
     """q [T, H, Dh] against the paged cache (already holding this step's K/V) -> [T, H, Dh] in q's dtype.
 
     Same contract as paged_attention_ref; runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1. block_n (a
-    power of two >= 16) overrides the number of KV positions per inner step. Raises PagedAttentionError on bad
-    shapes, dtypes or devices.
+    power of two >= 16) overrides the number of KV positions per inner step; `window`: a sliding window of that many
+    positions. Raises PagedAttentionError on bad shapes, dtypes or devices.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise PagedAttentionError(f"need q [T, H, Dh] and k/v caches [NB, BS, KVH, Dh] of one shape and dtype; got "
@@ -195,18 +210,25 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if meta.tree_bits is None:                              # once per step: every layer shares the metadata
             meta.tree_bits = tree_bits(meta)
         bits = meta.tree_bits
+    positions = None
+    if window:
+        if meta.row_positions is None:                          # once per step, as tree_bits
+            meta.row_positions = row_positions(meta).to(q.device)
+        positions = meta.row_positions
     g_pad, block_q, bn = _tiles(h // kvh, meta.max_query_len, block_n)
     bt = meta.block_tables                                                  # [B, MB]
     grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), kvh)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, bt, meta.seq_lens, meta.query_start_loc,
         bits if bits is not None else meta.seq_lens,                        # (not read without a tree)
-        scale * LOG2E,
+        positions if positions is not None else meta.seq_lens,              # (not read without a window)
+        scale * LOG2E, window or 0,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         bt.stride(0), bt.stride(1),
         G=h // kvh, G_PAD=g_pad, HEAD_DIM=dh, D_PAD=max(16, triton.next_power_of_2(dh)), BLOCK_SIZE=bs,
         BLOCK_Q=block_q, BLOCK_N=bn,
         DOT_F32=interpreting or k_cache.dtype == torch.float32, HAS_TREE=bits is not None,
+        HAS_WINDOW=positions is not None,
     )
     return out.to(q.dtype)

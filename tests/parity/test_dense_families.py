@@ -1,6 +1,6 @@
-"""Dense families beside Llama: tiny random Qwen2 and Qwen3 checkpoints made with transformers' own config classes
-and `save_pretrained`, against transformers in fp32 (teacher-forced logits, greedy tokens, n-gram speculation);
-Mistral's sliding window refused where it would change the output, served where it does not."""
+"""Dense families beside Llama: tiny random Qwen2, Qwen3 and Mistral checkpoints made with transformers' own config
+classes and `save_pretrained`, against transformers in fp32 (teacher-forced logits, greedy tokens, n-gram
+speculation), sliding windows included."""
 from __future__ import annotations
 
 import pytest
@@ -60,13 +60,36 @@ def test_logits_greedy_and_speculation_match_transformers(tmp_path, family):
     assert spec.stats_draft > 0                                             # prompt lookup did propose
 
 
-def test_mistral_sliding_window_is_refused_where_it_would_apply(tmp_path):
-    _save(lambda: _mistral(16), tmp_path / "windowed")
-    with pytest.raises(ValueError, match="sliding-window attention.*max_model_len <= 16"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "windowed"), progress=False, num_kv_blocks=64))
-    inside = LLMEngine(EngineConfig(model=str(tmp_path / "windowed"), progress=False, num_kv_blocks=64,
-                                    max_model_len=16))
-    assert inside.max_model_len == 16
+def _qwen2_windowed():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(**COMMON, intermediate_size=96, use_sliding_window=True, sliding_window=8,
+                                        max_window_layers=1))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_past_the_window_matches_transformers(tmp_path, family):
+    """Mistral with a 16-token window on every layer and Qwen2 with an 8-token one on its layers from
+    max_window_layers on; prompts and outputs run far past the window (up to 90 positions)."""
+    ref = _save(lambda: _mistral(16), tmp_path) if family == "mistral" else _save(_qwen2_windowed, tmp_path)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16))
+    windows = [layer.self_attn.window for layer in eng.runner.model.layers]
+    assert windows == ([16, 16, 16] if family == "mistral" else [None, 8, 8])
+    ids = torch.randint(1, 110, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        expect = ref(torch.tensor([ids])).logits[0]
+    diff = (eng.score(ids) - expect).abs().max().item()
+    assert diff < 1e-4, f"max |logits - transformers| = {diff:.2e}"
+    prompts = PROMPTS + [ids[:40]]
+    want = hf_greedy(ref, prompts)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert [o[0] for o in eng.generate(prompts, params)] == want
+    spec = build_engine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16,
+                                     speculative="ngram", num_speculative_tokens=3))
+    assert [o[0] for o in spec.generate(prompts, params)] == want
+    assert spec.stats_draft > 0
+
+
+def test_mistral_without_a_window(tmp_path):
     ref = _save(lambda: _mistral(None), tmp_path / "full")                 # Mistral v0.2+: no window
     eng = LLMEngine(EngineConfig(model=str(tmp_path / "full"), progress=False, num_kv_blocks=64))
     out = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))

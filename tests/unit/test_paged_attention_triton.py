@@ -118,3 +118,19 @@ def test_tree_bits_and_tree_errors() -> None:
     meta.tree_masks = {0: ancestor_mask(list(range(-1, 64)))}        # 65 nodes: 66 rows, past the kernel's bits
     with pytest.raises(PagedAttentionError, match="at most 65"):
         paged_attention_triton(q, k_cache, v_cache, meta, 0.125)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_sliding_window_matches_reference(window: int) -> None:
+    """Decodes, a prompt, a chunk, verifications and a 10-row draft tree under a sliding window (the KV tiles
+    before every row's window are skipped; a tree node's position is its root's plus its depth)."""
+    from shared.tree import ancestor_mask
+
+    lens = [(1, 1), (17, 1), (40, 1), (20, 20), (50, 13), (37, 4), (33, 10), (90, 30)]
+    q, k_cache, v_cache, meta = make_batch(lens, [], 4, 2, 64, 16)
+    meta.tree_masks = {6: ancestor_mask(random_parents(9, 4))}
+    out = paged_attention_triton(q, k_cache, v_cache, meta, 0.125, block_n=16, window=window)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 0.125, window)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
+    assert not torch.allclose(out, paged_attention_triton(q, k_cache, v_cache, meta, 0.125, block_n=16),
+                              atol=1e-3), "the window changed nothing"
