@@ -3,6 +3,7 @@
 Usage: python bench/bench_paged_attention.py [--batch 32] [--context 1024] [--heads 32] [--kv-heads 8] ...
        [--tree-nodes N]   every sequence verifies a draft tree of N nodes (N + 1 new tokens, ancestor masks) instead
                           of decoding one token: the kernel's tree masks against the reference's
+       [--window W]       a sliding window of W positions: only the K/V tiles of the window are read
 
 Decode attention is memory-bound: each step reads every cached K and V once, B * L * KVH * Dh * 2 * bytes
 (32 x 1024 x 8 x 128 x 2 x 2 B = 134 MB for bf16), against ~4.8 TB/s of HBM on an H200 (~28 us at peak). q, the
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--tree-nodes", type=int, default=0, help="verify a draft tree of N nodes per sequence (0: decode)")
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128], help="KV tile sizes to try")
+    ap.add_argument("--window", type=int, default=0, help="sliding window of this many positions (0: none)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="HBM bandwidth to compare with (H200: 4800)")
     args = ap.parse_args()
 
@@ -87,16 +89,19 @@ def main() -> None:
     q, k_cache, v_cache, meta = decode_batch(args.batch, args.context, args.heads, args.kv_heads, args.head_dim,
                                              args.block_size, dtype, dev, args.tree_nodes)
     scale = args.head_dim ** -0.5
-    kv_bytes = 2 * args.batch * args.context * args.kv_heads * args.head_dim * k_cache.element_size()
+    window = args.window or None
+    read = min(args.context, args.window + args.tree_nodes) if window else args.context   # positions a row set reads
+    kv_bytes = 2 * args.batch * read * args.kv_heads * args.head_dim * k_cache.element_size()
     what = f"verify {args.tree_nodes}-node trees" if args.tree_nodes else "decode"
+    what += f", window {args.window}" if window else ""
     print(f"{torch.cuda.get_device_name()}: {what} B={args.batch} L={args.context} H={args.heads} "
           f"KVH={args.kv_heads} Dh={args.head_dim} BS={args.block_size} {args.dtype}; K/V read {kv_bytes / 1e6:.1f} MB")
 
-    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)                               # [T, H, Dh]
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, window)                       # [T, H, Dh]
     runs: list[tuple[str, Callable[[], torch.Tensor]]] = [
-        ("torch reference", partial(paged_attention_ref, q, k_cache, v_cache, meta, scale))]
+        ("torch reference", partial(paged_attention_ref, q, k_cache, v_cache, meta, scale, window))]
     for bn in args.block_n:
-        run = partial(paged_attention_triton, q, k_cache, v_cache, meta, scale, block_n=bn)
+        run = partial(paged_attention_triton, q, k_cache, v_cache, meta, scale, block_n=bn, window=window)
         err = (run().float() - ref.float()).abs().max().item()
         print(f"  triton block_n={bn}: max |out - ref| = {err:.2e}")
         runs.append((f"triton block_n={bn}", run))

@@ -12,7 +12,8 @@ $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 start=$(date +%s)
 $py -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$out/gpu-tests.xml" 2>&1 | tail -25
 echo "tests: $(( $(date +%s) - start )) s"
-for args in "--dtype bf16" "--dtype bf16 --batch 1 --context 4096" "--dtype bf16 --tree-nodes 8" "--dtype fp32"; do
+for args in "--dtype bf16" "--dtype bf16 --batch 1 --context 4096" "--dtype bf16 --tree-nodes 8" "--dtype fp32" \
+            "--dtype bf16 --context 4096 --block-n 64" "--dtype bf16 --context 4096 --window 512 --block-n 64"; do
     $py bench/bench_paged_attention.py $args
 done
 $py bench/bench_nvfp4.py --kernel-only

@@ -41,11 +41,11 @@ def on_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, block_n: int | None,
-          atol: float) -> None:
+          atol: float, window: int | None = None) -> None:
     scale = q.shape[-1] ** -0.5
-    out = paged_attention_triton(q, k, v, meta, scale, block_n=block_n)
+    out = paged_attention_triton(q, k, v, meta, scale, block_n=block_n, window=window)
     # the reference in fp32 from the same (rounded) inputs: the kernel's accumulation is fp32 too
-    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, scale)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, scale, window)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_cuda
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=atol)
 
@@ -75,6 +75,17 @@ def test_draft_trees(dtype: torch.dtype) -> None:
     meta.tree_masks = {2: ancestor_mask([-1, -1, 0]), 4: ancestor_mask(random_parents(9, 2)),
                        5: ancestor_mask(random_parents(64, 3))}
     check(*on_cuda(q, k, v, meta), 32, ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [1, 16, 100, 4096], ids=str)
+def test_sliding_windows(dtype: torch.dtype, window: int) -> None:
+    """Windows from 1 position to past every context, over long contexts, a long prefill and draft trees."""
+    g = torch.Generator().manual_seed(2)
+    lens = [(int(n), 1) for n in torch.randint(1, 2000, (20,), generator=g)] + [(1900, 300), (40, 10), (300, 65)]
+    q, k, v, meta = make_batch(lens, [], 9, 3, 64, 16, dtype)
+    meta.tree_masks = {21: ancestor_mask(random_parents(9, 5)), 22: ancestor_mask(random_parents(64, 6))}
+    check(*on_cuda(q, k, v, meta), 64, ATOL[dtype], window)
 
 
 ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
