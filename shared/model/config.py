@@ -41,6 +41,10 @@ class ModelConfig:
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         if rope and rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = None
+        if rope and rope.get("rope_type", rope.get("type")) == "longrope":       # Phi-3: the windows' ratio
+            rope = {**rope, "original_max_position_embeddings": rope.get("original_max_position_embeddings")
+                    or cfg.get("original_max_position_embeddings"),
+                    "max_position_embeddings": rope.get("max_position_embeddings") or cfg.get("max_position_embeddings")}
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

@@ -13,6 +13,8 @@ from shared.model.deepseek_v3 import DeepseekV3ForCausalLM
 from shared.model.llama import LlamaForCausalLM, MistralForCausalLM
 from shared.model.loader import iter_weights, load_config
 from shared.model.mixtral import MixtralForCausalLM
+from shared.model.olmoe import OlmoeForCausalLM
+from shared.model.phi3 import Phi3ForCausalLM
 from shared.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from shared.model.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from shared.model_files import is_gguf
@@ -30,6 +32,8 @@ ARCHITECTURES: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "olmoe": OlmoeForCausalLM,
 }
 
 

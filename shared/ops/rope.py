@@ -44,6 +44,21 @@ def _yarn(dim: int, base: float, s: dict[str, Any], max_pos: int) -> tuple[torch
     return inv, mscale
 
 
+def _longrope(dim: int, base: float, s: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE within the original window: the short factors divide the frequencies, and the attention
+    factor (from the ratio of the windows unless given) scales cos and sin. Past the original window transformers
+    switches every position to the long factors once a sequence grows beyond it, which a KV cache cannot follow:
+    refused."""
+    old = s["original_max_position_embeddings"]
+    if max_pos > old:
+        raise ValueError(f"LongRoPE past the original window of {old} positions is not supported; serve with "
+                         f"max_model_len <= {old}")
+    factor = s.get("factor") or (s.get("max_position_embeddings") or old) / old
+    mscale = s.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(old)) if factor > 1 else 1.0)
+    short = torch.tensor(s["short_factor"], dtype=torch.float64)
+    return 1.0 / (short * base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), mscale
+
+
 def rope_tables(head_dim: int, base: float, max_pos: int,
                 scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (cos, sin), each [max_pos, Dh], in float32."""
@@ -64,6 +79,8 @@ def rope_tables(head_dim: int, base: float, max_pos: int,
         inv = _llama3(inv, scaling)
     elif kind == "yarn":
         inv, mscale = _yarn(head_dim, base, scaling, max_pos)
+    elif kind == "longrope":
+        inv, mscale = _longrope(head_dim, base, scaling, max_pos)
     elif kind != "default":
         raise ValueError(f"unsupported rope scaling type {kind!r}")
     freqs = torch.outer(pos, inv)                           # [P, Dh/2]

@@ -1,12 +1,13 @@
-"""Tiny random MoE checkpoints of the four families, built with transformers' own config classes and saved as
+"""Tiny random MoE checkpoints of the five families, built with transformers' own config classes and saved as
 Hugging Face folders, and transformers' greedy continuations of them: shared by the parity, expert-shard,
 rebalancing and NVFP4 tests, with the `upesi experts` processes those start.
 
-Every family has at least 4 routed experts, top-2, at least 2 MoE layers, and its shared experts where it has them:
+Every family has at least 4 routed experts, top-2 or more, at least 2 MoE layers, and its shared experts where it has them:
     mixtral      3 MoE layers, 4 experts
     qwen2_moe    layers 0 and 2 MoE (4 experts + a sigmoid-gated shared expert), layer 1 dense
     qwen3_moe    3 MoE layers, 6 experts, norm_topk_prob
     deepseek_v3  layer 0 dense, layers 1 and 2 MoE (8 experts in 2 groups, 1 shared expert), MLA attention
+    olmoe        3 MoE layers, 64 experts, top 8, no renormalisation, q/k normed over their whole projections
 """
 from __future__ import annotations
 
@@ -73,7 +74,14 @@ def _deepseek_v3_skewed():
     return _deepseek_v3(skew=10.0)
 
 
-FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+    return OlmoeForCausalLM(OlmoeConfig(**COMMON, intermediate_size=16, num_experts=64, num_experts_per_tok=8,
+                                        norm_topk_prob=False))
+
+
+FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3,
+            "olmoe": _olmoe}
 VARIANTS = {**FAMILIES, "deepseek_v3_yarn": _deepseek_v3_yarn, "deepseek_v3_skewed": _deepseek_v3_skewed}
 
 
@@ -104,8 +112,9 @@ def hf_greedy(model, prompts: list[list[int]] = PROMPTS, tokens: int = 32) -> li
     out = []
     for p in prompts:
         with torch.inference_mode():
-            g = model.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,
-                               temperature=None, top_p=None, top_k=None)
+            ids = torch.tensor([p])        # no padding: a config's pad_token_id (OLMoE's is 1) must not mask a token
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+                               eos_token_id=None, temperature=None, top_p=None, top_k=None)
         out.append(g[0, len(p):].tolist())
     return out
 

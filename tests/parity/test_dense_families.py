@@ -25,6 +25,18 @@ def _qwen3():
     return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=24, intermediate_size=96))
 
 
+def _phi3(window: int | None = 16, longrope: bool = False):
+    from transformers import Phi3Config, Phi3ForCausalLM
+    extra = {}
+    if longrope:                            # the 128k variants' scaling, served within the original window
+        half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+        extra = {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                  "long_factor": [2.0 + i for i in range(half)]},
+                 "original_max_position_embeddings": 128}
+    return Phi3ForCausalLM(Phi3Config(**COMMON, intermediate_size=96, sliding_window=window, pad_token_id=None,
+                                      **extra))
+
+
 def _mistral(window: int | None):
     from transformers import MistralConfig, MistralForCausalLM
     return MistralForCausalLM(MistralConfig(**COMMON, intermediate_size=96, sliding_window=window))
@@ -39,12 +51,17 @@ def _save(make, path):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "phi3_longrope"])
 def test_logits_greedy_and_speculation_match_transformers(tmp_path, family):
-    ref = _save({"qwen2": _qwen2, "qwen3": _qwen3}[family], tmp_path)
+    ref = _save({"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "phi3_longrope": lambda: _phi3(None, True)}[family],
+                tmp_path)
     if family == "qwen2":
         assert ref.model.layers[0].self_attn.q_proj.bias is not None          # the biases are loaded and used
-    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16))
+    if family == "phi3_longrope":           # past the original window LongRoPE is refused
+        with pytest.raises(ValueError, match="LongRoPE past the original window of 128"):
+            LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64))
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16,
+                                 max_model_len=128))
     ids = torch.randint(1, 110, (120,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         expect = ref(torch.tensor([ids])).logits[0]
@@ -55,7 +72,7 @@ def test_logits_greedy_and_speculation_match_transformers(tmp_path, family):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == want
     spec = build_engine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16,
-                                     speculative="ngram", num_speculative_tokens=3))
+                                     speculative="ngram", num_speculative_tokens=3, max_model_len=128))
     assert [o[0] for o in spec.generate(PROMPTS, params)] == want
     assert spec.stats_draft > 0                                             # prompt lookup did propose
 

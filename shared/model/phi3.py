@@ -1,0 +1,40 @@
+"""Phi-3 and Phi-3.5-mini (`phi3`): the Llama decoder.
+
+Their checkpoints hold q, k and v in one `qkv_proj` and gate and up in one `gate_up_proj` (gate first), the layout
+this code's layers already have; the loader splits them back into the names the Llama loader knows. The sliding
+window of the config (2047 in Phi-3-mini-4k) applies on every layer. LongRoPE (the 128k variants) is served within
+the original window (shared.ops.rope). A partial rotary factor (Phi-4-mini) is refused.
+Shapes: H / KVH = query / kv heads, Dh = head dim, I = intermediate size, D = hidden.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        factor = cfg.extra.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            raise ValueError(f"phi3: a partial rotary factor ({factor}, as in Phi-4-mini) is not supported")
+        super().__init__(cfg, max_len)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        c = self.cfg
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        def split() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, w in weights:
+                if name.endswith("self_attn.qkv_proj.weight"):              # [(H + 2 KVH) Dh, D]
+                    for part, t in zip(("q_proj", "k_proj", "v_proj"), w.split([q, kv, kv])):
+                        yield name.replace("qkv_proj", part), t
+                elif name.endswith("mlp.gate_up_proj.weight"):             # [2I, D]: gate, then up
+                    for part, t in zip(("gate_proj", "up_proj"), w.chunk(2)):
+                        yield name.replace("gate_up_proj", part), t
+                else:
+                    yield name, w
+        super().load_weights(split())
