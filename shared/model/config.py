@@ -42,8 +42,8 @@ class ModelConfig:
         if rope and rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = None
         if rope and rope.get("rope_type", rope.get("type")) == "longrope":       # Phi-3: the windows' ratio
-            rope = {**rope, "original_max_position_embeddings": rope.get("original_max_position_embeddings")
-                    or cfg.get("original_max_position_embeddings"),
+            old = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+            rope = {**rope, "original_max_position_embeddings": old,
                     "max_position_embeddings": rope.get("max_position_embeddings") or cfg.get("max_position_embeddings")}
         return cls(
             architecture=arch,

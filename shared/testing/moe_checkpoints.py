@@ -2,7 +2,8 @@
 Hugging Face folders, and transformers' greedy continuations of them: shared by the parity, expert-shard,
 rebalancing and NVFP4 tests, with the `upesi experts` processes those start.
 
-Every family has at least 4 routed experts, top-2 or more, at least 2 MoE layers, and its shared experts where it has them:
+Every family has at least 4 routed experts, top-2 or more, at least 2 MoE layers, and its shared experts where it
+has them:
     mixtral      3 MoE layers, 4 experts
     qwen2_moe    layers 0 and 2 MoE (4 experts + a sigmoid-gated shared expert), layer 1 dense
     qwen3_moe    3 MoE layers, 6 experts, norm_topk_prob
