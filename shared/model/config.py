@@ -43,8 +43,8 @@ class ModelConfig:
             rope = None
         if rope and rope.get("rope_type", rope.get("type")) == "longrope":       # Phi-3: the windows' ratio
             old = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-            rope = {**rope, "original_max_position_embeddings": old,
-                    "max_position_embeddings": rope.get("max_position_embeddings") or cfg.get("max_position_embeddings")}
+            new = rope.get("max_position_embeddings") or cfg.get("max_position_embeddings")
+            rope = {**rope, "original_max_position_embeddings": old, "max_position_embeddings": new}
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
