@@ -10,6 +10,7 @@ from torch import nn
 
 from shared.model.config import ModelConfig
 from shared.model.deepseek_v3 import DeepseekV3ForCausalLM
+from shared.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from shared.model.llama import LlamaForCausalLM, MistralForCausalLM
 from shared.model.loader import iter_weights, load_config
 from shared.model.mixtral import MixtralForCausalLM
@@ -34,6 +35,8 @@ ARCHITECTURES: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "olmoe": OlmoeForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 

@@ -152,9 +152,23 @@ def row_positions(meta: AttentionMetadata) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's logit soft-capping (scores = cap tanh(scores / cap)), which SDPA lacks: q [1, H, Q,
+    Dh], k / v [1, KVH, L, Dh], mask [Q, L] -> [1, H, Q, Dh], in fp32."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()       # [1, H, L, Dh]
+    s = (q.float() @ k.transpose(-1, -2)) * scale                                           # [1, H, Q, L]
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
 def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-              window: int) -> torch.Tensor:
-    """The sliding-window reference, one sequence at a time: the causal or tree mask narrowed to the window."""
+              window: int | None, softcap: float | None = None) -> torch.Tensor:
+    """The reference one sequence at a time with explicit masks: the causal or tree mask, narrowed to a sliding
+    window where there is one; soft-capped scores where `softcap` is set."""
+    window = window or (1 << 62)
     out = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
     pos = row_positions(meta).to(q.device)
     start = 0
@@ -169,17 +183,20 @@ def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
         if tree is not None:
             mask[:, length - n:] &= tree.to(q.device)
         qh = q[start:start + n].transpose(0, 1)[None].to(k.dtype)           # [1, H, Q, Dh]
-        out[start:start + n] = gqa_attention(qh, k, v, mask[None, None], scale)[0].transpose(0, 1)
+        o = gqa_attention(qh, k, v, mask[None, None], scale) if softcap is None else \
+            _softcapped(qh, k, v, mask, scale, softcap)
+        out[start:start + n] = o[0].transpose(0, 1).to(out.dtype)
         start += n
     return out.to(q.dtype)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """q [T, H, Dh] against the paged cache (already holding this step's K/V) -> [T, H, Dh]; `window`: each row
-    attends its last `window` positions only."""
-    if window:
-        return _windowed(q, k_cache, v_cache, meta, scale, window)
+    attends its last `window` positions only; `softcap`: scores become softcap tanh(scores / softcap)."""
+    if window or softcap:
+        return _windowed(q, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
     nd = meta.num_decodes
     if nd:

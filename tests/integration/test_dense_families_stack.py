@@ -1,5 +1,5 @@
-"""Qwen2, Qwen3 and Phi-3 (a 16-token sliding window) dense through the running stack (`upesi serve`: router,
-target, real gRPC): greedy tokens of a tiny checkpoint equal transformers' `generate` on it, plainly and with
+"""Qwen2, Qwen3, Phi-3 (a 16-token sliding window), Gemma 2 and Gemma 3 dense through the running stack (`upesi
+serve`: router, target, real gRPC): greedy tokens of a tiny checkpoint equal transformers' `generate` on it, plainly and with
 n-gram speculation in the target."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from shared.testing.moe_checkpoints import hf_greedy, save_tokenizer
 from tests.conftest import Stack
-from tests.parity.test_dense_families import PROMPTS, _phi3, _qwen2, _qwen3, _save
+from tests.parity.test_dense_families import MAKERS, PROMPTS, _save
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc
 
@@ -16,10 +16,10 @@ pytestmark = pytest.mark.slow
 TOKENS = 24
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_greedy_through_the_stack_equals_transformers(tmp_path, family):
     model = tmp_path / "model"
-    ref = _save({"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3}[family], model)
+    ref = _save(MAKERS[family], model)
     save_tokenizer(model)                                # "t5 t17" is the prompt [5, 17]
     want = hf_greedy(ref, PROMPTS, TOKENS)
     stack = Stack(tmp_path, ["--model", str(model), "--speculative", "ngram", "--num-threads", "1"])

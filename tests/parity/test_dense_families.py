@@ -37,6 +37,23 @@ def _phi3(window: int | None = 16, longrope: bool = False):
                                       **extra))
 
 
+GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+
+
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(**COMMON, **GEMMA, intermediate_size=96, attn_logit_softcapping=5.0,
+                                          final_logit_softcapping=3.0))
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    return Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, **GEMMA, intermediate_size=96, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}))
+
+
 def _mistral(window: int | None):
     from transformers import MistralConfig, MistralForCausalLM
     return MistralForCausalLM(MistralConfig(**COMMON, intermediate_size=96, sliding_window=window))
@@ -51,10 +68,13 @@ def _save(make, path):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "phi3_longrope"])
+MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "phi3_longrope": lambda: _phi3(None, True),
+          "gemma2": _gemma2, "gemma3": _gemma3}
+
+
+@pytest.mark.parametrize("family", list(MAKERS))
 def test_logits_greedy_and_speculation_match_transformers(tmp_path, family):
-    ref = _save({"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "phi3_longrope": lambda: _phi3(None, True)}[family],
-                tmp_path)
+    ref = _save(MAKERS[family], tmp_path)
     if family == "qwen2":
         assert ref.model.layers[0].self_attn.q_proj.bias is not None          # the biases are loaded and used
     if family == "phi3_longrope":           # past the original window LongRoPE is refused
