@@ -1,6 +1,6 @@
-"""Qwen2, Qwen3, Phi-3 (a 16-token sliding window), Gemma 2 and Gemma 3 dense through the running stack (`upesi
-serve`: router, target, real gRPC): greedy tokens of a tiny checkpoint equal transformers' `generate` on it, plainly and with
-n-gram speculation in the target."""
+"""Qwen2, Qwen3, Phi-3 (a 16-token sliding window), Gemma 2 and Gemma 3 dense through the running stack
+(`upesi serve`: router, target, real gRPC): greedy tokens of a tiny checkpoint equal transformers' `generate` on
+it, plainly and with n-gram speculation in the target."""
 from __future__ import annotations
 
 import grpc
