@@ -16,6 +16,7 @@ from services.router.auth import KeyTable
 from services.router.config import RouterConfig
 from services.router.draft_client import DraftClient
 from services.router.limits import Caller
+from services.router.spec_guard import SpeculationGuard
 from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
 from shared.errors import Draining, InvalidRequest, Overloaded, PeerUnavailable
@@ -76,6 +77,7 @@ class Frontend:
         self.in_flight = 0
         self.draining = False                                # set on SIGTERM: new requests are refused
         self.load = {t.address: 0 for t in targets}          # requests this router has open on each replica
+        self.guard = SpeculationGuard()                      # does speculation pay here, for a request alone
 
     async def choose_target(self, ids: list[int], salt: str, tried: list[TargetClient] = ()) -> TargetClient:
         """The replica with the longest cached prefix of this prompt, weighed against its load, among those not
@@ -95,12 +97,13 @@ class Frontend:
     def choose_draft(self, params: SamplingParams) -> DraftClient | None:
         """The least busy draft replica for a speculative request; None when it is not one (K = 0, beam search),
         no draft is configured, every draft failed in the last few seconds, or more than speculative_max_requests
-        are in flight (the target then decodes alone). A request that asks for K > 0 itself still speculates."""
+        are in flight (the target then decodes alone), or, for a request alone, while speculation was measured slower
+        than plain decoding here (SpeculationGuard). A request that asks for K > 0 itself still speculates."""
         up = [d for d in self.drafts if d.up]
         if not up or params.num_speculative_tokens == 0 or params.beam_width > 1:
             return None
         busy = 0 < self.cfg.speculative_max_requests < self.in_flight
-        if busy and params.num_speculative_tokens is None:
+        if params.num_speculative_tokens is None and (busy or (self.in_flight == 1 and not self.guard.use_drafts())):
             return None
         return min(up, key=lambda d: d.in_flight)
 
@@ -206,8 +209,10 @@ class Frontend:
         request_id = uuid.uuid4().hex
         choices = [ChoiceText(self.tok, inp.stop, ids) for _ in range(params.n)]
         t0 = last = time.perf_counter()
+        first = None                                     # when the first token arrived
         cached = 0
         spec: dict[int, tuple[int, int]] = {}
+        alone = self.in_flight == 1 and params.n == 1 and params.beam_width <= 1
         draft = self.choose_draft(params)
         steps = (target.generate(request_id, ids, params, timeout) if draft is None else
                  draft.generate(target, request_id, ids, params, timeout))
@@ -231,7 +236,10 @@ class Frontend:
                         (metrics.TTFT if last == t0 else metrics.TPOT).observe(now - last)
                         metrics.GENERATED_TOKENS.inc(ntok)
                         last = now
+                        first = now if first is None else first
                     done = all(c.finish_reason is not None for c in choices)
+                    if done and alone and first is not None and self.in_flight == 1:   # alone throughout: a sample
+                        self.guard.record(draft is not None, len(choices[0].token_ids) - 1, last - first)
                     if out or done:
                         yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done,
                                           sum(d for d, _ in spec.values()), sum(a for _, a in spec.values()))

@@ -36,3 +36,29 @@ def test_zero_means_always_and_an_explicit_k_still_speculates():
 def test_negative_limit_is_refused():
     with pytest.raises(ValueError, match="speculative_max_requests"):
         RouterConfig(speculative_max_requests=-1)
+
+
+def test_guard_speculates_only_while_measured_faster_and_explores_both_sides():
+    from services.router.spec_guard import SpeculationGuard
+    g = SpeculationGuard(explore_every=4, alpha=1.0)
+    assert g.use_drafts()                                   # nothing measured: the deployment's default
+    g.record(True, 100, 2.0)                                # 50 tok/s with drafts
+    g.record(False, 10, 0.01)                               # too short to count
+    assert g.rate[False] is None
+    picks = [g.use_drafts() for _ in range(8)]              # no plain rate yet: drafts, and plain now and then
+    assert picks.count(False) == 2 and picks.count(True) == 6
+    g.record(False, 100, 1.0)                               # 100 tok/s plain: speculation does not pay here
+    picks = [g.use_drafts() for _ in range(8)]
+    assert picks.count(False) == 6 and picks.count(True) == 2
+    g.record(True, 100, 0.5)                                # 200 tok/s with drafts now
+    assert [g.use_drafts() for _ in range(8)].count(True) == 6
+
+
+def test_router_follows_the_guard_for_a_request_alone_only():
+    f = frontend(1)
+    f.in_flight = 1
+    f.guard.record(True, 100, 2.0)
+    f.guard.record(False, 100, 1.0)
+    f.guard.explore_every = 10 ** 9
+    assert f.choose_draft(SamplingParams()) is None                          # plain is faster: no drafts
+    assert f.choose_draft(SamplingParams(num_speculative_tokens=4)).name == "b"   # an explicit K is honoured

@@ -1,0 +1,41 @@
+"""Whether speculation pays on this deployment, measured: the decode rate of requests that ran alone, with drafts and
+without, and speculation only while it has been at least as fast.
+
+A draft round costs a proposal in the draft service, a Verify round trip and a verification of several rows; on some
+CPUs (a slow dot product, fast memory) that costs more than the tokens it saves, and then plain decoding is faster
+for a single stream. The router measures both sides on live traffic: requests that give `num_speculative_tokens`
+themselves are measured as they ran; the others speculate while the speculative rate is at least the plain rate,
+and every `explore_every`-th of them takes the other side so that both rates stay current.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("upesi.router")
+
+
+class SpeculationGuard:
+    def __init__(self, explore_every: int = 8, alpha: float = 0.3, min_tokens: int = 16) -> None:
+        self.explore_every, self.alpha, self.min_tokens = explore_every, alpha, min_tokens
+        self.rate: dict[bool, float | None] = {True: None, False: None}      # tokens/s, with drafts / without
+        self.decisions = 0
+
+    def use_drafts(self) -> bool:
+        """For a request that runs alone and leaves K to the deployment: speculate or not."""
+        self.decisions += 1
+        spec, plain = self.rate[True], self.rate[False]
+        if spec is None:
+            return True                                  # nothing measured yet: the deployment's default
+        better = plain is None or spec >= plain
+        if self.decisions % self.explore_every == 0:
+            return not better                            # the other side, now and then
+        return better
+
+    def record(self, drafts: bool, tokens: int, seconds: float) -> None:
+        """A request that ran alone: `tokens` decoded after its first one, in `seconds`."""
+        if tokens < self.min_tokens or seconds <= 0:
+            return
+        rate, old = tokens / seconds, self.rate[drafts]
+        self.rate[drafts] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+        log.debug("decode rate alone %s drafts: %.1f tok/s (with %s, without %s)", "with" if drafts else "without",
+                  rate, self.rate[True], self.rate[False])
