@@ -139,6 +139,14 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// cap tanh(s / cap), Gemma 2's soft-capped scores: tanh |y| = (1 - e^{-2|y|}) / (1 + e^{-2|y|}), y's sign kept.
+static inline __m256 softcap8(__m256 s, float cap) {
+    __m256 y = _mm256_div_ps(s, _mm256_set1_ps(cap)), neg = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+    __m256 t = exp8(_mm256_mul_ps(_mm256_andnot_ps(neg, y), _mm256_set1_ps(-2.f)));
+    __m256 th = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+    return _mm256_mul_ps(_mm256_or_ps(th, _mm256_and_ps(y, neg)), _mm256_set1_ps(cap));
+}
+
 // Whether a row (ctx, j, bits) attends position p of its sequence.
 static inline int attends(int64_t p, int64_t ctx, int64_t j, uint64_t bits) {
     if (p < ctx) return 1;
@@ -214,7 +222,8 @@ static inline void axpy_tile1(float *a, const float *w, const float *v, int dh, 
 void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache,
                            const void *v_cache, const int64_t *block_tables, int64_t mb, int bs,
                            const int64_t *rows, const int64_t *blocks, int64_t nblocks, int h, int kvh, int dh,
-                           float scale, int bf16, int64_t max_len, int64_t max_rows, int64_t window) {
+                           float scale, int bf16, int64_t max_len, int64_t max_rows, int64_t window,
+                           float softcap) {
     int g = h / kvh, dv = dh / 8;                               // dh is a multiple of 8 (checked by the caller)
     int64_t work = nblocks * kvh, cap = (max_len > 0 ? max_len : 1) + 8;
     #pragma omp parallel if (work > 1)
@@ -257,9 +266,10 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
             // 8 lanes (fused multiply-adds over the head dim in order) summed by one tree, whatever the chunk
             for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
                 load_tile(k_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
-                for (int64_t re = 0; re < nr * g; re++)
-                    _mm256_storeu_ps(scores + re * cap + p0,
-                                     _mm256_mul_ps(dot_tile(qv + re * dh, kv, dh), _mm256_set1_ps(scale)));
+                for (int64_t re = 0; re < nr * g; re++) {
+                    __m256 s8 = _mm256_mul_ps(dot_tile(qv + re * dh, kv, dh), _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(scores + re * cap + p0, softcap > 0.f ? softcap8(s8, softcap) : s8);
+                }
             }
             // softmax of each row and head over the positions it attends; the others weigh 0 below
             for (int64_t r = 0; r < nr; r++) {

@@ -41,7 +41,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.upesi_rope_store.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P,
                                      ctypes.c_int]
     lib.upesi_paged_attention.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _P, _I, ctypes.c_int,
-                                          ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, _I, _I, _I]
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, _I, _I, _I,
+                                          ctypes.c_float]
     for fn in (lib.upesi_rope_store, lib.upesi_paged_attention):
         fn.restype = None
     return lib
@@ -153,9 +154,10 @@ def _tree_bits(mask: torch.Tensor) -> list[int]:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [T, H, Dh] (rows may be strided, heads contiguous) against the paged cache -> [T, H, Dh]; `window`: a
-    sliding window of that many positions (tiles before every row's window are not read)."""
+    sliding window of that many positions (tiles before every row's window are not read); `softcap`: scores
+    become softcap tanh(scores / softcap) (Gemma 2)."""
     t, h, dh = q.shape
     if q.stride(2) != 1 or q.stride(1) != dh:
         q = q.contiguous()
@@ -166,14 +168,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),
                                      v_cache.data_ptr(), bt.data_ptr(), bt.shape[1], k_cache.shape[1],
                                      rows.data_ptr(), blocks.data_ptr(), len(blocks), h, k_cache.shape[2], dh,
-                                     scale, int(q.dtype == torch.bfloat16), longest, widest, window or 0)
+                                     scale, int(q.dtype == torch.bfloat16), longest, widest, window or 0,
+                                     softcap or 0.0)
     for b, lo in long:
         n = meta.query_lens[b]
-        if window:                                  # a long chunk with a window: the reference on its own rows
+        if window or softcap:                       # a long chunk with a window or a cap: the reference, its rows
             one = AttentionMetadata(meta.slot_mapping[lo:lo + n], meta.block_tables[b:b + 1],
                                     meta.seq_lens[b:b + 1], torch.tensor([0, n]), 0, [n],
                                     [meta.seq_lens_host[b]], n, {0: meta.tree_masks[b]} if b in meta.tree_masks else {})
-            out[lo:lo + n] = paged_attention_ref(q[lo:lo + n], k_cache, v_cache, one, scale, window)
+            out[lo:lo + n] = paged_attention_ref(q[lo:lo + n], k_cache, v_cache, one, scale, window, softcap)
             continue
         out[lo:lo + n] = _extend(q[lo:lo + n], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_host[b],
                                  scale, meta.tree_masks.get(b))

@@ -18,7 +18,7 @@ typedef void (*rope_fn)(void *, int64_t, int64_t, int, int, int, const void *, c
                         const int64_t *, int);
 typedef void (*attn_fn)(const void *, int64_t, void *, int64_t, const void *, const void *, const int64_t *, int64_t,
                         int, const int64_t *, const int64_t *, int64_t, int, int, int, float, int, int64_t, int64_t,
-                        int64_t);
+                        int64_t, float);
 
 // 16 lanes of bf16 -> fp32, and fp32 -> bf16 rounded to nearest even as f32_to_bf16 (NaN kept quiet).
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
@@ -108,7 +108,7 @@ void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *
         gemm(nx, t, d, d, (const uint16_t *)w[W_QKV], (const uint16_t *)w[B_QKV], nqkv, qkv, nqkv, threads);
         rope(qkv, t, nqkv, h, kvh, dh, cos, sin, (void *)w[K_CACHE], (void *)w[V_CACHE], slots, 1);
         attn(qkv, nqkv, o, nq, (const void *)w[K_CACHE], (const void *)w[V_CACHE], block_tables, mb, bs, rows,
-             blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows, w[WINDOW]);
+             blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows, w[WINDOW], 0.f);
         gemm(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);
         add_rows(x, a, t * d);
         norm(x, t, d, d, (const void *)w[W_NORM2], eps, nx, 1);

@@ -42,6 +42,7 @@ import triton.language as tl
 from shared.ops.paged_attention import MAX_TREE, AttentionMetadata, row_positions
 
 LOG2E = 1.4426950408889634
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
 # tl.max / tl.sum are @jit wrappers around these: calling them breaks the interpreter when triton was imported before
 # TRITON_INTERPRET was set (like tl.zeros), while tl.reduce is a builtin and the interpreter maps these to numpy
 _MAX = tl.standard._elementwise_max
@@ -58,12 +59,13 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bits_ptr, pos_ptr,
     qk_scale,                                                   # softmax scale * log2(e): scores go through exp2
     window,                                                     # sliding window (read with HAS_WINDOW)
+    softcap,                                                    # Gemma 2's score cap (read with HAS_SOFTCAP)
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,                 # k and v caches share one layout
     stride_btb, stride_btm,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, HAS_TREE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     b = tl.program_id(0)
@@ -127,7 +129,12 @@ def _paged_attention_kernel(
                     new = (pos >= seq_len - q_len) & pos_ok
                     kpos = tl.where(new, tl.load(pos_ptr + q_start + pos - (seq_len - q_len), mask=new, other=0), pos)
                 causal = causal & (kpos[None, :] >= row_lo[:, None])
-            s = tl.where(causal, s * qk_scale, float("-inf"))
+            if HAS_SOFTCAP:                                     # cap tanh(s scale / cap), then to log2 units
+                y = s * (qk_scale / LOG2E_C) / softcap
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * LOG2E_C
+            else:
+                s = s * qk_scale
+            s = tl.where(causal, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))                               # [BM]
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])                                          # [BM, BN]
@@ -171,12 +178,13 @@ def _tiles(group: int, max_query_len: int, block_n: int | None) -> tuple[int, in
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, block_n: int | None = None,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [T, H, Dh] against the paged cache (already holding this step's K/V) -> [T, H, Dh] in q's dtype.
 
     Same contract as paged_attention_ref; runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1. block_n (a
     power of two >= 16) overrides the number of KV positions per inner step; `window`: a sliding window of that many
-    positions. Raises PagedAttentionError on bad shapes, dtypes or devices.
+    positions; `softcap`: scores become softcap tanh(scores / softcap). Raises PagedAttentionError on bad shapes,
+    dtypes or devices.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise PagedAttentionError(f"need q [T, H, Dh] and k/v caches [NB, BS, KVH, Dh] of one shape and dtype; got "
@@ -222,13 +230,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, out, bt, meta.seq_lens, meta.query_start_loc,
         bits if bits is not None else meta.seq_lens,                        # (not read without a tree)
         positions if positions is not None else meta.seq_lens,              # (not read without a window)
-        scale * LOG2E, window or 0,
+        scale * LOG2E, window or 0, float(softcap or 0.0),
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         bt.stride(0), bt.stride(1),
         G=h // kvh, G_PAD=g_pad, HEAD_DIM=dh, D_PAD=max(16, triton.next_power_of_2(dh)), BLOCK_SIZE=bs,
         BLOCK_Q=block_q, BLOCK_N=bn,
         DOT_F32=interpreting or k_cache.dtype == torch.float32, HAS_TREE=bits is not None,
-        HAS_WINDOW=positions is not None,
+        HAS_WINDOW=positions is not None, HAS_SOFTCAP=bool(softcap),
     )
     return out.to(q.dtype)

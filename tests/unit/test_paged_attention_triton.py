@@ -134,3 +134,17 @@ def test_sliding_window_matches_reference(window: int) -> None:
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
     assert not torch.allclose(out, paged_attention_triton(q, k_cache, v_cache, meta, 0.125, block_n=16),
                               atol=1e-3), "the window changed nothing"
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_soft_capped_scores_match_reference(window) -> None:
+    """Gemma 2's cap tanh(s / cap) on the scores, alone and with a sliding window, over a mixed batch and a tree."""
+    from shared.tree import ancestor_mask
+
+    lens = [(17, 1), (40, 1), (20, 20), (37, 4), (33, 10)]
+    q, k_cache, v_cache, meta = make_batch(lens, [], 4, 2, 64, 16)
+    q = q * 4
+    meta.tree_masks = {4: ancestor_mask(random_parents(9, 4))}
+    out = paged_attention_triton(q, k_cache, v_cache, meta, 0.125, block_n=16, window=window, softcap=2.0)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 0.125, window, 2.0)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)

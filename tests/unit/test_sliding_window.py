@@ -1,6 +1,7 @@
-"""Sliding-window attention (Mistral, Phi-3, Gemma's local layers): the torch reference against a plain loop over
-each row's attended positions, and the C kernel against the reference, over decodes, chains, draft trees and a
-long prefill; a verification row keeps the bits of the decode row it stands for."""
+"""Sliding-window attention (Mistral, Phi-3, Gemma's local layers) and soft-capped scores (Gemma 2): the torch
+reference against a plain loop over each row's attended positions, and the C kernel against the reference, over
+decodes, chains, draft trees and a long prefill; a verification row keeps the bits of the decode row it stands
+for."""
 from __future__ import annotations
 
 import pytest
@@ -82,3 +83,18 @@ def test_c_kernel_verification_row_equals_its_decode_row_under_a_window():
         one.slot_mapping = meta.slot_mapping[j:j + 1]
         row = cpu_attention.paged_attention(q[j:j + 1], kc, vc, one, 0.2, 7)
         assert torch.equal(row[0], chain[j])
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the C attention kernel does not build here")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 16])
+def test_c_kernel_soft_caps_scores_as_the_reference(dtype, tol, window):
+    """Gemma 2's cap tanh(s / cap) on the scores, alone and with a window, in the C kernel and the reference."""
+    q, kc, vc, meta = make_batch(LENS, [], 9, 3, 64, 16, dtype)
+    q = q * 4                                                            # scores large enough for the cap to bite
+    meta.tree_masks = {b: ancestor_mask(p) for b, p in TREES.items()}
+    got = cpu_attention.paged_attention(q, kc, vc, meta, 0.125, window, 2.0)
+    want = paged_attention_ref(q, kc, vc, meta, 0.125, window, 2.0)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert not torch.allclose(got.float(), cpu_attention.paged_attention(q, kc, vc, meta, 0.125, window).float(),
+                              atol=1e-2), "the cap changed nothing"
