@@ -41,11 +41,11 @@ def on_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, block_n: int | None,
-          atol: float, window: int | None = None) -> None:
+          atol: float, window: int | None = None, softcap: float | None = None) -> None:
     scale = q.shape[-1] ** -0.5
-    out = paged_attention_triton(q, k, v, meta, scale, block_n=block_n, window=window)
+    out = paged_attention_triton(q, k, v, meta, scale, block_n=block_n, window=window, softcap=softcap)
     # the reference in fp32 from the same (rounded) inputs: the kernel's accumulation is fp32 too
-    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, scale, window)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, scale, window, softcap)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_cuda
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=atol)
 
@@ -86,6 +86,17 @@ def test_sliding_windows(dtype: torch.dtype, window: int) -> None:
     q, k, v, meta = make_batch(lens, [], 9, 3, 64, 16, dtype)
     meta.tree_masks = {21: ancestor_mask(random_parents(9, 5)), 22: ancestor_mask(random_parents(64, 6))}
     check(*on_cuda(q, k, v, meta), 64, ATOL[dtype], window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 100], ids=str)
+def test_soft_capped_scores(dtype: torch.dtype, window: int | None) -> None:
+    """Gemma 2's soft cap (scores up to about 10 times the cap), alone and with a window, with trees."""
+    g = torch.Generator().manual_seed(3)
+    lens = [(int(n), 1) for n in torch.randint(1, 1500, (12,), generator=g)] + [(900, 200), (40, 10)]
+    q, k, v, meta = make_batch(lens, [], 8, 2, 128, 16, dtype)
+    meta.tree_masks = {13: ancestor_mask(random_parents(9, 7))}
+    check(*on_cuda(q * 6, k, v, meta), 64, ATOL[dtype], window, 5.0)
 
 
 ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
