@@ -66,6 +66,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
+        # Every layer attends a sliding window (Mistral v0.1, Phi-3): blocks behind it go back to the pool.
+        windows = [getattr(getattr(layer, "self_attn", None), "window", None) for layer in getattr(model, "layers", [])]
+        self.window = min(windows) if windows and all(windows) else None
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         if cfg.speculative and make_proposer is None:
             raise ValueError(f"speculative={cfg.speculative!r} needs a proposer factory: build the engine with "
@@ -185,6 +188,10 @@ class LLMEngine:
         self.tree_paths.clear()
         for rid in {d.request_id for d in deltas if d.finish_reason}:
             self._forget_finished(rid)
+        if self.window:                                  # after rollbacks: the next rows sit at or after this
+            for seq in batch.seqs:
+                if seq.block_table:
+                    bm.release_before(seq, seq.num_computed_tokens - self.window + 1)
         self.last_step_s = time.perf_counter() - t0
         return deltas
 

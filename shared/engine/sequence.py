@@ -24,7 +24,8 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
                  "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_parents",
-                 "spec_k", "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns")
+                 "spec_k", "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns",
+                 "num_released_blocks")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -40,6 +41,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []        # hashes of full blocks of token_ids (whether cached or not)
         self.num_committed_blocks = 0            # leading blocks already offered to the prefix cache
+        self.num_released_blocks = 0             # leading blocks given back: wholly outside a sliding window
         self.cache_extra = cache_extra           # model + cache salt, part of every block hash
         self.spec_tokens: list[int] = []         # draft tokens appended provisionally, verified next step
         self.spec_probs = None                   # their draft probabilities q [K, V], None for point masses

@@ -133,9 +133,10 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (and its computed state)."""
-        for block in parent.block_table:
+        for block in parent.block_table[parent.num_released_blocks:]:
             self.ref_counts[block] += 1
         child.block_table = list(parent.block_table)
+        child.num_released_blocks = parent.num_released_blocks
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_committed_blocks = parent.num_committed_blocks
@@ -168,14 +169,28 @@ class BlockManager:
         del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
-        for block in reversed(seq.block_table):                        # tail first: evicted first
+        for block in reversed(seq.block_table[seq.num_released_blocks:]):   # tail first: evicted first
             self.ref_counts[block] -= 1
             if self.ref_counts[block] < 0:
                 raise RuntimeError(f"block {block} freed more often than taken")
             if self.ref_counts[block] == 0:
                 self.free_ids[block] = None
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_committed_blocks = 0
+        seq.num_computed_tokens = seq.num_committed_blocks = seq.num_released_blocks = 0
+
+    def release_before(self, seq: Sequence, position: int) -> None:
+        """A sliding window: gives back the computed blocks wholly before `position`, the first position any later
+        row of the sequence attends. Their table entries stay, as block 0, so that positions keep their index; the
+        attention kernels read nothing before a row's window (a committed block stays in the prefix cache until
+        its slot is taken)."""
+        upto = min(max(position, 0) // self.block_size, seq.num_computed_tokens // self.block_size)
+        for i in range(seq.num_released_blocks, upto):
+            block = seq.block_table[i]
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_ids[block] = None
+            seq.block_table[i] = BlockId(0)
+        seq.num_released_blocks = max(seq.num_released_blocks, upto)
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         stored, removed, self.stored, self.removed = self.stored, self.removed, [], []

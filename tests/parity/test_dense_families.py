@@ -126,6 +126,26 @@ def test_sliding_window_past_the_window_matches_transformers(tmp_path, family):
     assert spec.stats_draft > 0
 
 
+def test_blocks_behind_the_window_go_back_to_the_pool(tmp_path):
+    """Mistral with a 16-token window on every layer, blocks of 16: a sequence holds at most the blocks its window
+    spans (plus the one being filled) however long it grows, and the output still equals transformers'."""
+    ref = _save(lambda: _mistral(16), tmp_path)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16))
+    assert eng.window == 16
+    used, step = [], eng.step
+
+    def counted():
+        out = step()
+        used.append(eng.block_manager.num_used_blocks)
+        return out
+    eng.step = counted
+    prompt = torch.randint(1, 110, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    assert out[0][0] == hf_greedy(ref, [prompt], 120)[0]
+    assert max(used[1:]) <= 3 and used[0] <= 3, used          # 190 positions, never more than 3 blocks held
+    assert eng.block_manager.num_used_blocks == 0                   # and every block came back at the end
+
+
 def test_mistral_without_a_window(tmp_path):
     ref = _save(lambda: _mistral(None), tmp_path / "full")                 # Mistral v0.2+: no window
     eng = LLMEngine(EngineConfig(model=str(tmp_path / "full"), progress=False, num_kv_blocks=64))

@@ -128,3 +128,23 @@ def test_fork_shares_and_copy_on_write_copies_the_partial_block():
     assert bm.ref_counts[:3] == [2, 1, 1]
     bm.free(parent), bm.free(child)
     assert bm.ref_counts == [0] * 8 and bm.num_free_blocks == 8
+
+
+def test_release_before_a_window_gives_back_whole_computed_blocks_once():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = seq(14)
+    bm.allocate(a)
+    assert a.block_table == [0, 1, 2, 3]
+    a.num_computed_tokens = 14
+    bm.release_before(a, 9)                              # positions 0-7 (blocks 0, 1) are behind every later row
+    assert a.num_released_blocks == 2 and a.block_table[2:] == [2, 3] and bm.num_free_blocks == 6
+    bm.release_before(a, 5)                              # never backwards, never twice
+    assert bm.num_free_blocks == 6
+    bm.release_before(a, 100)                            # only computed, whole blocks: 12 of 14 tokens
+    assert a.num_released_blocks == 3 and bm.num_free_blocks == 7
+    child = seq(14)
+    bm.fork(a, child)                                    # the child shares only what the parent still holds
+    assert child.num_released_blocks == 3 and bm.ref_counts[3] == 2
+    bm.free(a)
+    bm.free(child)
+    assert bm.num_free_blocks == 8 and all(r == 0 for r in bm.ref_counts)
