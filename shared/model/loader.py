@@ -61,8 +61,11 @@ _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Architectures read from GGUF (llama.cpp's names), and whether their q / k rows were permuted for llama.cpp's RoPE
+# (its converter does so for Llama only).
+_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False}
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -88,11 +91,13 @@ def _gguf_config(path: str) -> ModelConfig:
 def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
     r = _reader(path, mtime_ns, size)
     arch = _gguf_field(r, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported yet (llama only)")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; GGUF files of {', '.join(_GGUF_ARCHS)} "
+                         "are (other families load from Hugging Face folders)")
     p = f"{arch}."
     heads = _gguf_field(r, p + "attention.head_count")
     hidden = _gguf_field(r, p + "embedding_length")
+    head_dim = _gguf_field(r, p + "attention.key_length") or _gguf_field(r, p + "rope.dimension_count", hidden // heads)
     scaling = None
     kind = _gguf_field(r, p + "rope.scaling.type")
     if kind and kind != "none":
@@ -101,14 +106,14 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
     has_output = any(t.name == "output.weight" for t in r.tensors)
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture="llama",
+        architecture=arch,
         vocab_size=_gguf_field(r, p + "vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
         intermediate_size=_gguf_field(r, p + "feed_forward_length"),
         num_layers=_gguf_field(r, p + "block_count"),
         num_heads=heads,
         num_kv_heads=_gguf_field(r, p + "attention.head_count_kv", heads),
-        head_dim=_gguf_field(r, p + "rope.dimension_count", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(_gguf_field(r, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_gguf_field(r, p + "rope.freq_base", 10000.0)),
         max_position_embeddings=_gguf_field(r, p + "context_length", 2048),
@@ -129,6 +134,7 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
     from gguf.quants import dequantize
 
     r = _reader(*file_version(path))
+    permuted = _GGUF_ARCHS[cfg.architecture]
     try:
         for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
             parts = t.name.split(".")
@@ -139,9 +145,9 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if w.ndim == 1:
                 w = w.reshape(-1)
-            if parts[-2:-1] == ["attn_q"]:
+            if permuted and parts[-2:-1] == ["attn_q"]:
                 w = _unpermute(w, cfg.num_heads)
-            elif parts[-2:-1] == ["attn_k"]:
+            elif permuted and parts[-2:-1] == ["attn_k"]:
                 w = _unpermute(w, cfg.num_kv_heads)
             yield name, torch.from_numpy(np.array(w, dtype=np.float32))   # writable copy
     finally:

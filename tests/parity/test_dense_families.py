@@ -158,3 +158,49 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'gpt2' is not supported; the supported families are .*qwen3"):
         LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=8))
+
+
+def _to_gguf(model, arch: str, path) -> None:
+    """The checkpoint as llama.cpp would name it in a GGUF file (gguf's own tensor-name map), fp32, no tokenizer."""
+    import gguf
+    c = model.config
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_eos_token_id(c.eos_token_id)
+    for name, t in model.state_dict().items():
+        base, kind = name.rsplit(".", 1)
+        w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_gguf_files_of_qwen_match_transformers(tmp_path, family):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms, its own head_dim) written as GGUF with gguf's tensor names (their
+    q/k rows unpermuted, as llama.cpp's converter leaves them), loaded and run against the model they came from."""
+    torch.manual_seed(0)
+    ref = MAKERS[family]().eval()
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(8)
+    path = tmp_path / f"{family}.gguf"
+    _to_gguf(ref, family, path)
+    eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16))
+    assert eng.model_cfg.architecture == family
+    ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        expect = ref(torch.tensor([ids])).logits[0]
+    assert (eng.score(ids) - expect).abs().max().item() < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 24)
