@@ -143,17 +143,25 @@ class AsyncEngine:
             self._deliver(self.engine.abort(msg[1], msg[2]))
 
     def _deliver(self, deltas: list[Delta]) -> None:
+        """Hands a step's deltas to their streams: one wake-up per caller's event loop, not one per delta."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
         for d in deltas:
             entry = self._streams.get(d.request_id)
-            if entry is None:
-                continue
-            loop, q = entry
-            if not _post(loop, q.put_nowait, d):
-                self._streams.pop(d.request_id, None)
-                self.engine.abort(d.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], d))
+        for loop, items in by_loop.items():
+            if not _post(loop, _put_all, items):          # that loop has closed: nobody reads these streams
+                for _, d in items:
+                    self._streams.pop(d.request_id, None)
+                    self.engine.abort(d.request_id)
         for rid in {d.request_id for d in deltas if d.finish_reason}:
             if rid not in self.engine.requests:
                 self._streams.pop(rid, None)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for q, d in items:
+        q.put_nowait(d)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
