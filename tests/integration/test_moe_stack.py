@@ -1,5 +1,6 @@
-"""The four MoE families with their FFNs on real `upesi experts` processes, 2 and 3 shards: greedy generation of 32
-tokens equals transformers' `generate` on the same tiny checkpoint (shared/testing/moe_checkpoints.py).
+"""The five MoE families with their FFNs on real `upesi experts` processes, 2 and 3 shards: greedy generation of 32
+tokens equals transformers' `generate` on the same tiny checkpoint (shared/testing/moe_checkpoints.py); OLMoE also
+through the whole running stack (`upesi serve` with its expert shards).
 
 The target is the in-process engine (the same classes `upesi target` runs) with `attach_expert_shards`, so the local
 FFN weights are freed and every routed expert (and every dense FFN, split by neurons) is computed by the shard
@@ -63,3 +64,33 @@ def test_greedy_through_expert_shards_equals_transformers(families, family, n):
         assert sum(i.dispatches for i in infos) == client.num_rpcs
     finally:
         client.close()
+
+
+def test_olmoe_through_the_running_stack_with_expert_shards(tmp_path):
+    """OLMoE (64 experts, top 8) served by `upesi serve` with 2 expert shards, through the router's gRPC API:
+    greedy tokens equal transformers', plainly and with n-gram drafts verified by the target."""
+    import grpc
+
+    from shared.testing.moe_checkpoints import save_tokenizer
+    from tests.conftest import Stack
+    from upesi.v1 import generation_pb2 as pb
+    from upesi.v1 import generation_pb2_grpc
+
+    model = tmp_path / "olmoe"
+    ref = save_tiny(model, "olmoe")
+    save_tokenizer(model)                                # "t5 t17" is the prompt [5, 17]
+    want = hf_greedy(ref, PROMPTS, 24)
+    stack = Stack(tmp_path, ["--model", str(model), "--speculative", "ngram", "--num-threads", "1",
+                             "--expert-shards", "2", "--expert-metrics-port", "0"])
+    try:
+        stack.wait_ready()
+        with grpc.insecure_channel(stack.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for k in (0, 3):
+                got = [list(stub.Generate(pb.GenerateRequest(prompt=" ".join(f"t{i}" for i in p), max_tokens=24,
+                                                              temperature=0, ignore_eos=True,
+                                                              num_speculative_tokens=k), timeout=120)
+                            .choices[0].token_ids) for p in PROMPTS]
+                assert got == want, f"num_speculative_tokens={k}"
+    finally:
+        assert stack.stop() == 0, stack.log.read_text()[-3000:]
