@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.llama import MLP, Attention, DecoderLayer, KVCache, LlamaForCausalLM
+from shared.model.llama import MLP, Attention, KVCache, LlamaForCausalLM
 from shared.ops.attention import paged_attention
 from shared.ops.paged_attention import AttentionMetadata, write_kv
 from shared.ops.rope import apply_rope, rope_tables
@@ -66,9 +66,9 @@ class GemmaAttention(Attention):
         return self.o_proj(o.reshape(t, self.h * self.dh))
 
 
-class GemmaDecoderLayer(DecoderLayer):
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool) -> None:
-        super().__init__(cfg, window)
+        super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = GemmaAttention(cfg, window, qk_norm)
         self.mlp = GemmaMLP(d, cfg.intermediate_size)
@@ -87,14 +87,15 @@ class _Gemma(LlamaForCausalLM):
     QK_NORM = False
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
-        super().__init__(cfg, max_len)
         if cfg.extra.get("use_bidirectional_attention"):
             raise ValueError(f"{cfg.architecture}: bidirectional attention (an embedding model) is not served")
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, layer.self_attn.window, self.QK_NORM)
-                                    for layer in self.layers)
+        super().__init__(cfg, max_len)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.max_len = max_len
         self.final_softcap = cfg.extra.get("final_logit_softcapping") or None
+
+    def decoder_layer(self, cfg: ModelConfig, window: int | None) -> nn.Module:
+        return GemmaDecoderLayer(cfg, window, self.QK_NORM)
 
     def rope_for(self, layer: int, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, Dh] of layer's RoPE at positions."""

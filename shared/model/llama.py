@@ -107,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in layer_windows(cfg))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, w) for w in layer_windows(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -115,6 +115,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)            # [P, Dh]
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def decoder_layer(self, cfg: ModelConfig, window: int | None) -> nn.Module:
+        """One decoder layer of the family (a sliding window or None)."""
+        return DecoderLayer(cfg, window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:

@@ -139,7 +139,7 @@ class DecoderStack:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, D] bf16 (the embeddings), cos / sin [T, Dh] bf16 -> the residual stream after the last layer
         [T, D] (before the final norm)."""
-        x = x.contiguous().clone()
+        x = x.contiguous()                           # updated in place: the caller's embeddings, a fresh tensor
         cos, sin = cos.contiguous(), sin.contiguous()
         rows, blocks, _, longest, widest = cpu_attention.row_descriptors(meta)
         dims = torch.tensor([len(self._layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,

@@ -108,6 +108,20 @@ def save_tokenizer(path: str | Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
 
 
+def stack_greedy(address: str, prompts: list[list[int]], tokens: int, k: int) -> list[list[int]]:
+    """Greedy token ids of each prompt through a running router's Generate (prompts as save_tokenizer's words),
+    with num_speculative_tokens = k."""
+    import grpc
+
+    from upesi.v1 import generation_pb2 as pb
+    from upesi.v1 import generation_pb2_grpc
+    with grpc.insecure_channel(address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        return [list(stub.Generate(pb.GenerateRequest(prompt=" ".join(f"t{i}" for i in p), max_tokens=tokens,
+                                                      temperature=0, ignore_eos=True, num_speculative_tokens=k),
+                                   timeout=120).choices[0].token_ids) for p in prompts]
+
+
 def hf_greedy(model, prompts: list[list[int]] = PROMPTS, tokens: int = 32) -> list[list[int]]:
     """transformers' `generate`, greedy, `tokens` new tokens of each prompt (EOS ignored)."""
     out = []

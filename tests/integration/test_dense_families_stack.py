@@ -3,14 +3,11 @@
 it, plainly and with n-gram speculation in the target."""
 from __future__ import annotations
 
-import grpc
 import pytest
 
-from shared.testing.moe_checkpoints import hf_greedy, save_tokenizer
+from shared.testing.moe_checkpoints import hf_greedy, save_tokenizer, stack_greedy
 from tests.conftest import Stack
 from tests.parity.test_dense_families import MAKERS, PROMPTS, _save
-from upesi.v1 import generation_pb2 as pb
-from upesi.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 TOKENS = 24
@@ -25,13 +22,7 @@ def test_greedy_through_the_stack_equals_transformers(tmp_path, family):
     stack = Stack(tmp_path, ["--model", str(model), "--speculative", "ngram", "--num-threads", "1"])
     try:
         stack.wait_ready()
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            for k in (0, 3):                             # plain, then n-gram drafts verified by the target
-                got = [list(stub.Generate(pb.GenerateRequest(prompt=" ".join(f"t{i}" for i in p), max_tokens=TOKENS,
-                                                              temperature=0, ignore_eos=True,
-                                                              num_speculative_tokens=k), timeout=120)
-                            .choices[0].token_ids) for p in PROMPTS]
-                assert got == want, f"num_speculative_tokens={k}"
+        for k in (0, 3):                                 # plain, then n-gram drafts verified by the target
+            assert stack_greedy(stack.address, PROMPTS, TOKENS, k) == want, f"num_speculative_tokens={k}"
     finally:
         assert stack.stop() == 0, stack.log.read_text()[-3000:]

@@ -69,12 +69,8 @@ def test_greedy_through_expert_shards_equals_transformers(families, family, n):
 def test_olmoe_through_the_running_stack_with_expert_shards(tmp_path):
     """OLMoE (64 experts, top 8) served by `upesi serve` with 2 expert shards, through the router's gRPC API:
     greedy tokens equal transformers', plainly and with n-gram drafts verified by the target."""
-    import grpc
-
-    from shared.testing.moe_checkpoints import save_tokenizer
+    from shared.testing.moe_checkpoints import save_tokenizer, stack_greedy
     from tests.conftest import Stack
-    from upesi.v1 import generation_pb2 as pb
-    from upesi.v1 import generation_pb2_grpc
 
     model = tmp_path / "olmoe"
     ref = save_tiny(model, "olmoe")
@@ -84,13 +80,7 @@ def test_olmoe_through_the_running_stack_with_expert_shards(tmp_path):
                              "--expert-shards", "2", "--expert-metrics-port", "0"])
     try:
         stack.wait_ready()
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            for k in (0, 3):
-                got = [list(stub.Generate(pb.GenerateRequest(prompt=" ".join(f"t{i}" for i in p), max_tokens=24,
-                                                              temperature=0, ignore_eos=True,
-                                                              num_speculative_tokens=k), timeout=120)
-                            .choices[0].token_ids) for p in PROMPTS]
-                assert got == want, f"num_speculative_tokens={k}"
+        for k in (0, 3):                                 # plain, then n-gram drafts verified by the target
+            assert stack_greedy(stack.address, PROMPTS, 24, k) == want, f"num_speculative_tokens={k}"
     finally:
         assert stack.stop() == 0, stack.log.read_text()[-3000:]

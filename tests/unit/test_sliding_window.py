@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.ops import cpu_attention
-from shared.ops.paged_attention import paged_attention_ref, row_positions
+from shared.ops.paged_attention import paged_attention_ref
 from shared.tree import ancestor_mask
 from tests.paged_batches import make_batch, random_parents
 
@@ -22,7 +22,6 @@ def naive(q, k_cache, v_cache, meta, scale, window):
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     g = q.shape[1] // kvh
     out = torch.empty(q.shape, dtype=torch.float64)
-    pos = row_positions(meta)
     start = 0
     for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
         table = meta.block_tables[b].tolist()
@@ -34,7 +33,7 @@ def naive(q, k_cache, v_cache, meta, scale, window):
         real = list(range(c)) + ([c + j for j in range(n)] if tree is None else
                                  [c + int(tree[j].sum()) - 1 for j in range(n)])   # a tree node: root + depth
         for j in range(n):
-            p = int(pos[start + j])
+            p = real[c + j]                                              # this row's own position
             if tree is None:
                 seen = [i for i in range(c + j + 1)]
             else:
