@@ -17,6 +17,7 @@ from shared.engine.config import (
     check_draft_confidence,
     check_dtype,
     check_speculative_max_seqs,
+    check_kv_store,
     check_tree_ngram,
     check_tree_shape,
     check_wide_threads,
@@ -37,6 +38,14 @@ class ServeConfig:
     target_replicas: int = option(1, "number of target replicas")
     registry: str | None = option(None, "prefix-block registry shared by router and targets: redis://host:port/db")
     kv_cache_gb: float = option(1.0, "target KV cache size in GiB")
+    kv_store: str | None = options.kv_store()
+    kv_store_gb: float = options.kv_store_gb()
+    kv_store_ttl_s: float = options.kv_store_ttl_s()
+    kv_host_gb: float = options.kv_host_gb()
+    prefill_replicas: int = option(0, "prefill-only targets (prefill/decode disaggregation; needs --kv-store): the "
+                                      "router has each prompt computed on one of them, which writes its KV blocks "
+                                      "to the store, and a decode target reads them there. They listen on the "
+                                      "ports after the expert shards'")
     max_num_seqs: int = option(64, "target: most sequences in the running batch")
     num_threads: int | None = option(None, "target: torch CPU threads")
     wide_threads: int | None = option(None, "target: torch CPU threads of forward steps over 4 or more rows "
@@ -93,6 +102,12 @@ class ServeConfig:
             raise ValueError(f"draft_num_threads must be at least 1, got {self.draft_num_threads}")
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
+        check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb)
+        if self.prefill_replicas < 0:
+            raise ValueError(f"prefill_replicas must be >= 0, got {self.prefill_replicas}")
+        if self.prefill_replicas and not self.kv_store:
+            raise ValueError("--prefill-replicas hands KV blocks to the decode targets through the KV store: give "
+                             "--kv-store redis://host:port/db too (a redis-server it may use)")
         if self.expert_shards < 0:
             raise ValueError(f"expert_shards must be >= 0, got {self.expert_shards}")
         if self.speculative and self.draft:
@@ -108,6 +123,20 @@ class ServeConfig:
         host, port = self.target_address.rsplit(":", 1)
         first = int(port) + self.target_replicas
         return [f"{host}:{first + i}" for i in range(self.expert_shards)]
+
+    def prefill_addresses(self) -> list[str]:
+        host, port = self.target_address.rsplit(":", 1)
+        first = int(port) + self.target_replicas + self.expert_shards
+        return [f"{host}:{first + i}" for i in range(self.prefill_replicas)]
+
+    def kv_store_args(self) -> list[str]:
+        if not self.kv_store and not self.kv_host_gb:
+            return []
+        out = ["--kv-host-gb", str(self.kv_host_gb)]
+        if self.kv_store:
+            out += ["--kv-store", self.kv_store, "--kv-store-gb", str(self.kv_store_gb),
+                    "--kv-store-ttl-s", str(self.kv_store_ttl_s)]
+        return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,10 +305,22 @@ def main(args: argparse.Namespace) -> None:
                 "target", "--address", address, "--replica-id", address,
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *threads, *registry, *experts, *spec, *quant, *_tls_args(cfg, client=True)])
+                *model, *threads, *registry, *experts, *spec, *quant, *cfg.kv_store_args(),
+                *_tls_args(cfg, client=True)])
+            procs.append(_child(restartable[len(procs)][2], env))
+        for i, address in enumerate(cfg.prefill_addresses()):
+            j = cfg.target_replicas + i
+            metrics_port = cfg.target_metrics_port + j if cfg.target_metrics_port else 0
+            restartable[len(procs)] = (f"prefill target {i}", address, [
+                "target", "--address", address, "--replica-id", address, "--kv-store-sync",
+                "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
+                "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
+                *model, *threads, *experts, *quant, *cfg.kv_store_args(), *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
+                             *(["--prefill-target", ",".join(cfg.prefill_addresses())]
+                               if cfg.prefill_replicas else []),
                              *(["--draft", cfg.draft_address, "--speculative-max-requests",
                                 str(cfg.speculative_max_requests)] if cfg.draft else []),
                              *model, *registry, *_tls_args(cfg, client=True),

@@ -66,6 +66,31 @@ def expert_placement() -> Any:
                   "shard: one shard may fail; default: contiguous)")
 
 
+# ---------------------------------------------------------------- KV block store
+def kv_store() -> Any:
+    return option(None, "KV block store shared by the targets: redis://[:password@]host:port/db. Full blocks are "
+                        "written there as they fill (in the background) and read on a prefix-cache miss, while "
+                        "reading is measured cheaper than computing (default: none)")
+
+
+def kv_store_gb() -> Any:
+    return option(4.0, "size budget of the KV block store in GiB; past it the least recently used blocks go")
+
+
+def kv_store_ttl_s() -> Any:
+    return option(3600.0, "time to live of a block in the KV block store, in seconds, renewed when it is read")
+
+
+def kv_store_sync() -> Any:
+    return option(False, "wait after each step until its KV blocks are in the store (the prefill targets of "
+                         "prefill/decode disaggregation: the decode target reads them next)")
+
+
+def kv_host_gb() -> Any:
+    return option(0.0, "host memory in GiB for the blocks the KV cache evicts, read back on a later prefix-cache "
+                       "miss (0 = off)")
+
+
 # ---------------------------------------------------------------- TLS
 @dataclass(slots=True)
 class ServerTLS:

@@ -23,6 +23,20 @@ SPEC_ACCEPTED = Counter("upesi_spec_accepted_tokens", "Speculative tokens accept
 PREFIX_QUERIES = Counter("upesi_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("upesi_prefix_cache_hits", "Prompt tokens served from the prefix cache")
 
+_TRANSFER = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+KV_STORE_HITS = Counter("upesi_kv_store_hits_total", "KV blocks read from the block store", ["tier"])
+KV_STORE_MISSES = Counter("upesi_kv_store_misses_total", "KV blocks looked up in the block store and not found")
+KV_STORE_SKIPPED = Counter("upesi_kv_store_skipped_total",
+                           "KV blocks computed instead of read because reading was measured to cost more")
+KV_STORE_INVALID = Counter("upesi_kv_store_invalid_total",
+                           "Block store values refused (another model, dtype or layout, truncated, corrupted)")
+KV_STORE_DROPPED = Counter("upesi_kv_store_dropped_total", "KV block writes dropped because the writer fell behind")
+KV_STORE_BYTES = Counter("upesi_kv_store_bytes_total", "Bytes moved to and from the block store", ["direction"])
+KV_STORE_READ_SECONDS = Histogram("upesi_kv_store_read_seconds", "Time of one block store read (a prefix's blocks)",
+                                  buckets=_TRANSFER)
+KV_STORE_WRITE_SECONDS = Histogram("upesi_kv_store_write_seconds", "Time of one block store write (a batch)",
+                                   buckets=_TRANSFER)
+
 
 class _Only:
     """A collector that yields the default registry's families whose names start with one of `prefixes`."""

@@ -22,6 +22,11 @@ class RouterConfig(options.TLS):
                                               "many requests are in flight here, itself included; above it, it "
                                               "decodes plainly on the target (on a busy batch the relay and the "
                                               "verification rows cost more than speculation saves); 0 = always")
+    prefill_target: str | None = option(None, "prefill-only target addresses, comma-separated (prefill/decode "
+                                              "disaggregation): a prompt of at least one full KV block is first "
+                                              "computed on one of them, which writes its blocks to the shared KV "
+                                              "store; the --target replica then reads them and decodes (default: "
+                                              "none, every target prefills its own requests)")
     registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (default: load only)")
     model: str | None = option(None, "model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)")
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (/v1/models, the `model` of "
@@ -49,6 +54,9 @@ class RouterConfig(options.TLS):
 
     def draft_addresses(self) -> list[str]:
         return [a.strip() for a in (self.draft or "").split(",") if a.strip()]
+
+    def prefill_addresses(self) -> list[str]:
+        return [a.strip() for a in (self.prefill_target or "").split(",") if a.strip()]
 
     def __post_init__(self) -> None:
         if min(self.max_concurrent_requests, self.max_n, self.http_max_connections) < 1:

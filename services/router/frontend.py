@@ -69,14 +69,16 @@ class StreamChunk:
 class Frontend:
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, targets: list[TargetClient], info: TargetInfo,
                  registry: PrefixRegistry | None = None, keys: KeyTable | None = None,
-                 drafts: list[DraftClient] | None = None, served_model: str | None = None) -> None:
+                 drafts: list[DraftClient] | None = None, served_model: str | None = None,
+                 prefill: list[TargetClient] | None = None) -> None:
         self.cfg, self.tok, self.targets, self.info, self.registry = cfg, tokenizer, targets, info, registry
         self.served_model = served_model or (info.model if info else "")   # the model's name in the OpenAI API
         self.drafts = drafts or []
+        self.prefill = prefill or []                         # prefill-only targets (P/D disaggregation)
         self.keys = keys or KeyTable.from_config(cfg)     # who may call, with what limits
         self.in_flight = 0
         self.draining = False                                # set on SIGTERM: new requests are refused
-        self.load = {t.address: 0 for t in targets}          # requests this router has open on each replica
+        self.load = {t.address: 0 for t in [*targets, *self.prefill]}   # requests open here on each replica
         self.guard = SpeculationGuard()                      # does speculation pay here, for a request alone
 
     async def choose_target(self, ids: list[int], salt: str, tried: list[TargetClient] = ()) -> TargetClient:
@@ -186,6 +188,7 @@ class Frontend:
         restarting, draining) is marked down and the next is tried, so a lost replica costs only the requests
         that were running on it."""
         metrics.PROMPT_TOKENS.inc(len(ids))
+        await self._prefill(ids, params, deadline)
         tried: list[TargetClient] = []
         while True:
             target = await self.choose_target(ids, params.cache_salt, tried)
@@ -202,6 +205,28 @@ class Frontend:
                 if answered or len(tried) == len(self.targets):
                     raise
                 log.warning("%s; trying another replica", e)
+
+    async def _prefill(self, ids: list[int], params: SamplingParams, deadline: float) -> None:
+        """P/D disaggregation: the prompt's KV is computed on the least busy prefill target, which writes its full
+        blocks to the shared KV store before it answers; the decode target then reads them there on its prefix-cache
+        miss. Skipped for prompts under one block. A prefill target that fails costs nothing but time: the decode
+        target computes what it cannot read."""
+        up = [t for t in self.prefill if t.up]
+        if not up or len(ids) <= self.info.block_size:
+            return
+        target = min(up, key=lambda t: self.load[t.address])
+        self.load[target.address] += 1
+        once = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, cache_salt=params.cache_salt,
+                              num_speculative_tokens=0)
+        try:
+            left = max(0.001, deadline - time.monotonic())
+            async with contextlib.aclosing(target.generate(uuid.uuid4().hex, ids, once, left)) as steps:
+                async for _ in steps:
+                    pass
+        except (PeerUnavailable, grpc.aio.AioRpcError) as e:
+            log.warning("prefill on %s failed (%s); the decode target computes the prompt", target.address, e)
+        finally:
+            self.load[target.address] -= 1
 
     async def _on_target(self, target: TargetClient, ids: list[int], params: SamplingParams,
                          inp: GenerationInput, timeout: float | None) -> AsyncIterator[StreamChunk]:

@@ -37,13 +37,16 @@ async def serve(cfg: RouterConfig) -> None:
         raise ValueError("--target names no address")
     model_path = resolve_model_path(cfg.model)
     tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer, model_path))
-    infos = await asyncio.gather(*(t.wait_info(cfg.target_wait_s) for t in targets))
+    prefill = [TargetClient(a) for a in cfg.prefill_addresses()]
+    infos = await asyncio.gather(*(t.wait_info(cfg.target_wait_s) for t in [*targets, *prefill]))
     if len({i.model for i in infos}) > 1:
         raise ValueError(f"the target replicas serve different models: {sorted({i.model for i in infos})}")
+    if len({i.block_size for i in infos}) > 1:
+        raise ValueError("the target replicas use different KV block sizes; give them all the same --block-size")
     registry = open_registry(cfg.registry) if cfg.registry else None
     drafts = [DraftClient(a) for a in cfg.draft_addresses()]      # connect lazily: a draft may start later
     frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry, keys, drafts,
-                        served_model=cfg.served_model_name or served_name(model_path))
+                        served_model=cfg.served_model_name or served_name(model_path), prefill=prefill)
     http = None
 
     async def on_start() -> None:
@@ -55,7 +58,7 @@ async def serve(cfg: RouterConfig) -> None:
         if http:
             http[0].should_exit = True
             await http[1]
-        for t in [*targets, *drafts]:
+        for t in [*targets, *prefill, *drafts]:
             await t.close()
         if registry is not None:
             registry.close()

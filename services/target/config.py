@@ -9,6 +9,7 @@ from shared.engine.config import (
     EngineConfig,
     check_draft_confidence,
     check_dtype,
+    check_kv_store,
     check_speculative_max_seqs,
     check_tree_ngram,
     check_tree_shape,
@@ -41,6 +42,11 @@ class TargetConfig(options.TLS):
                                             "(default: --num-threads)")
     progress: bool = option(True, "show a progress bar while loading")
     enable_prefix_caching: bool = option(True, "reuse computed KV blocks across requests with a common prefix")
+    kv_store: str | None = options.kv_store()
+    kv_store_gb: float = options.kv_store_gb()
+    kv_store_ttl_s: float = options.kv_store_ttl_s()
+    kv_store_sync: bool = options.kv_store_sync()
+    kv_host_gb: float = options.kv_host_gb()
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = options.num_speculative_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
@@ -70,6 +76,7 @@ class TargetConfig(options.TLS):
         check_tree_ngram(self.draft_tree_ngram)
         check_speculative_max_seqs(self.speculative_max_seqs)
         check_wide_threads(self.wide_threads)
+        check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:

@@ -126,6 +126,7 @@ async def serve(cfg: TargetConfig) -> None:
 
     async def stop() -> None:
         async_engine.stop()
+        engine.close()
         if publisher is not None:
             publisher.stop()
         if rebalancer is not None:
@@ -133,9 +134,9 @@ async def serve(cfg: TargetConfig) -> None:
         if experts is not None:
             experts.close()
 
-    log.info("model %s (%s): %d KV blocks of %d tokens, context %d, registry %s", engine.model_path,
-             engine.cfg.dtype, engine.block_manager.num_blocks, cfg.block_size, engine.max_model_len,
-             redacted(cfg.registry))
+    log.info("model %s (%s): %d KV blocks of %d tokens, context %d, registry %s, KV store %s, host tier %s GiB",
+             engine.model_path, engine.cfg.dtype, engine.block_manager.num_blocks, cfg.block_size,
+             engine.max_model_len, redacted(cfg.registry), redacted(cfg.kv_store), cfg.kv_host_gb)
     await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_stop=stop)
 
 

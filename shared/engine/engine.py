@@ -15,15 +15,17 @@ import torch
 from shared import telemetry
 from shared.engine.beam import BeamGroup
 from shared.engine.config import WIDE_ROWS, EngineConfig
-from shared.engine.model_runner import ModelRunner
+from shared.engine.model_runner import ModelRunner, kv_cache_layout
 from shared.engine.proposal import ProposerFactory
 from shared.engine.rejection import verify_greedy, verify_sampled
 from shared.engine.sampler import probs_from_logits, sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
 from shared.errors import InvalidRequest
+from shared.kv.block_codec import BlockData, BlockLayout, model_fingerprint
 from shared.kv.block_manager import BlockManager
 from shared.kv.hashing import cache_extra
+from shared.kv.block_store import open_block_store
 from shared.model.loader import load_config
 from shared.model.registry import build_model, check_architecture
 from shared.model_files import resolve_model_path
@@ -66,6 +68,18 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
+        self.kv_store = None
+        if cfg.kv_store or cfg.kv_host_gb > 0:
+            kvh, dh, shared = kv_cache_layout(model, self.model_cfg)
+            layout = BlockLayout(model_fingerprint(model, repr(self.model_cfg), dtype), dtype,
+                                 self.model_cfg.num_layers, cfg.block_size, kvh, dh, shared,
+                                 self.model_cfg.hidden_size)
+            self.kv_store = open_block_store(layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
+                                             cfg.kv_host_gb)
+        if self.kv_store is not None:
+            self.block_manager.source = self.kv_store
+            self.block_manager.track_evictions = self.kv_store.wants_evictions
+            self.block_manager.track_commits = self.kv_store.wants_commits
         # Every layer attends a sliding window (Mistral v0.1, Phi-3): blocks behind it go back to the pool.
         windows = [getattr(getattr(layer, "self_attn", None), "window", None) for layer in getattr(model, "layers", [])]
         self.window = min(windows) if windows and all(windows) else None
@@ -144,8 +158,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         bm = self.block_manager
-        self.runner.copy_blocks(bm.pending_copies)
-        bm.pending_copies.clear()
+        self._sync_blocks()
         hidden_from = self._hidden_starts(batch)
         traced = telemetry.traced_contexts(batch.seqs)
         if traced:
@@ -193,7 +206,40 @@ class LLMEngine:
                 if seq.block_table:
                     bm.release_before(seq, seq.num_computed_tokens - self.window + 1)
         self.last_step_s = time.perf_counter() - t0
+        if self.kv_store is not None:
+            self._store_commits()
+            self.kv_store.cost.observe_prefill(sum(batch.num_tokens), self.last_step_s)
         return deltas
+
+    def _sync_blocks(self) -> None:
+        """Before a forward pass writes the cache: evicted blocks out to the store, copy-on-write copies, blocks
+        read from the store in."""
+        bm = self.block_manager
+        if bm.evictions:
+            blocks = [b for b, _ in bm.evictions]
+            self.kv_store.evicted([(h, BlockData(kv.clone(), None if hid is None else hid.clone()))
+                                   for (_, h), (kv, hid) in zip(bm.evictions, self.runner.read_blocks(blocks))])
+            bm.evictions.clear()
+        self.runner.copy_blocks(bm.pending_copies)
+        bm.pending_copies.clear()
+        if bm.imports:
+            self.runner.write_blocks([b for b, _ in bm.imports], [(d.kv, d.hidden) for _, d in bm.imports])
+            bm.imports.clear()
+
+    def _store_commits(self) -> None:
+        """Blocks this step filled: copied out for the store's writer (the step does not wait for the write)."""
+        bm = self.block_manager
+        if bm.commits:
+            read = self.runner.read_blocks([b for b, _ in bm.commits])
+            self.kv_store.committed([(h, BlockData(kv, hid)) for (_, h), (kv, hid) in zip(bm.commits, read)])
+            bm.commits.clear()
+            if self.cfg.kv_store_sync:
+                self.kv_store.flush()
+
+    def close(self) -> None:
+        """Stops background work (the block store's writer, after its queued writes)."""
+        if self.kv_store is not None:
+            self.kv_store.close()
 
     def _collect_beams(self, sampled: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Delta]:
         """Takes the beam-search rows out of `sampled`; advances every group whose beams all have their row."""
@@ -396,6 +442,7 @@ class LLMEngine:
             raise InvalidRequest(f"{len(token_ids)} tokens do not fit in the free KV blocks")
         self.block_manager.allocate(seq)
         try:
+            self._sync_blocks()
             input_ids, positions, meta, _, _ = self.runner.prepare(ScheduledBatch([seq], [len(seq)], 0))
             hidden = self.runner.model(input_ids, positions, meta, self.runner.kv_caches)    # [T, D]
             return self.runner.model.compute_logits(hidden)                                  # [T, V]
@@ -419,6 +466,7 @@ class LLMEngine:
                     raise InvalidRequest(f"{len(seq)} tokens do not fit in the free KV blocks")
                 self.block_manager.allocate(seq)
                 allocated.append(seq)
+            self._sync_blocks()
             input_ids, positions, meta, _, _ = self.runner.prepare(ScheduledBatch(seqs, [len(s) for s in seqs], 0))
             self.runner.model(input_ids, positions, meta, self.runner.kv_caches)             # [T, D]
             return list(self.runner.last_hidden.float().split([len(s) for s in seqs]))

@@ -138,6 +138,38 @@ class ModelRunner:
             self.hidden_ok[dst] = self.hidden_ok[src]
 
     @torch.inference_mode()
+    def read_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Copies of whole blocks, every layer: per block (kv [L, S, BS, KVH, Dh], hidden [BS, D] or None), S = 2
+        (K, V) or 1 where they are one tensor; hidden where the hidden cache holds every row of the block."""
+        ids = torch.tensor(blocks, device=self.device)
+        kv = torch.stack([torch.stack((k[ids],) if v is k else (k[ids], v[ids]), 1) for k, v in self.kv_caches],
+                         1).cpu()                                                 # [n, L, S, BS, KVH, Dh]
+        hidden: list[torch.Tensor | None] = [None] * len(blocks)
+        if self.hidden_cache is not None:
+            ok = self.hidden_ok[ids].tolist()
+            rows = self.hidden_cache.view(self.num_blocks, self.block_size, -1)[ids].cpu()    # [n, BS, D]
+            hidden = [rows[i] if ok[i] else None for i in range(len(blocks))]
+        return [(kv[i], hidden[i]) for i in range(len(blocks))]
+
+    @torch.inference_mode()
+    def write_blocks(self, blocks: list[int], contents: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """The inverse of read_blocks: fills whole blocks, every layer (hidden rows where given)."""
+        if not blocks:
+            return
+        ids = torch.tensor(blocks, device=self.device)
+        kv = torch.stack([c[0] for c in contents]).to(self.device, self.dtype)         # [n, L, S, BS, KVH, Dh]
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[ids] = kv[:, layer, 0]
+            if v is not k:
+                v[ids] = kv[:, layer, 1]
+        if self.hidden_cache is not None:
+            rows = self.hidden_cache.view(self.num_blocks, self.block_size, -1)
+            for block, (_, hidden) in zip(blocks, contents):
+                if hidden is not None:
+                    rows[block] = hidden.to(self.device, self.dtype)
+                self.hidden_ok[block] = hidden is not None
+
+    @torch.inference_mode()
     def move_kv(self, table: list[int], moves: list[tuple[int, int]]) -> None:
         """Moves KV between token indices of one sequence (its block table), every layer: (from, to) pairs, all
         read before any is written (a draft tree's accepted path closing up, shared.tree.compaction)."""

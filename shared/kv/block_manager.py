@@ -12,11 +12,16 @@
   cached block from the free list for new data evicts it (its hash goes to `removed`).
 - fork() shares every block of a parent; a sequence about to write into a block with refcount > 1 gets a private
   copy first (copy-on-write): the copy is queued in `pending_copies` for the model runner to perform.
+- With a block store (`source`, shared.kv.block_store): a new sequence whose cached prefix ends early asks the store
+  for the blocks that follow; those it gets are taken from the pool, committed at once, and queued in `imports` for
+  the model runner to fill. With `track_evictions` / `track_commits`, evicted and newly committed blocks are queued
+  in `evictions` / `commits` for the engine to copy out to the store.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NewType, Protocol
+from collections.abc import Sequence as Seq
+from typing import Any, NewType, Protocol
 
 from shared.kv.hashing import BlockHash, hash_chain
 
@@ -37,6 +42,14 @@ class Sequence(Protocol):
     def num_output_tokens(self) -> int: ...
 
 
+class BlockSource(Protocol):
+    """Where blocks missing from the cache may be found (shared.kv.block_store.KVBlockStore is one)."""
+
+    def lookup(self, hashes: Seq[BlockHash]) -> list[Any]:
+        """The contents of the longest run of `hashes` from the first that it holds."""
+        ...
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -52,7 +65,12 @@ class BlockManager:
         self.stored: list[BlockHash] = []                           # events for the prefix registry
         self.removed: list[BlockHash] = []
         self.query_tokens = 0                                       # prompt tokens looked up in the cache
-        self.hit_tokens = 0                                         # ... and found there
+        self.hit_tokens = 0                                         # ... and found there (or in the store)
+        self.source: BlockSource | None = None
+        self.track_evictions = self.track_commits = False
+        self.imports: list[tuple[BlockId, Any]] = []                # (block, contents from the source) to fill
+        self.evictions: list[tuple[BlockId, BlockHash]] = []        # cached blocks about to be overwritten
+        self.commits: list[tuple[BlockId, BlockHash]] = []          # blocks newly committed
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,14 +119,36 @@ class BlockManager:
                     del self.free_ids[block]
                 self.ref_counts[block] += 1
             seq.block_table = list(hits)
-            seq.num_committed_blocks = len(hits)
-            seq.num_computed_tokens = len(hits) * self.block_size
+            known = len(hits) + self._import(seq, len(hits))
+            seq.num_committed_blocks = known
+            seq.num_computed_tokens = known * self.block_size
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 self.query_tokens += len(seq)
                 self.hit_tokens += seq.num_computed_tokens
         for _ in range(self.blocks_for(len(seq)) - len(seq.block_table)):
             seq.block_table.append(self._take())
+
+    def _import(self, seq: Sequence, start: int) -> int:
+        """Appends the blocks after the first `start` that the source holds; returns how many."""
+        if self.source is None or not self.enable_prefix_caching:
+            return 0
+        wanted = self._hashes(seq, (len(seq) - 1) // self.block_size)[start:]
+        found = self.source.lookup(wanted) if wanted else []
+        for h, contents in zip(wanted, found):
+            block = self.cached.get(h)
+            if block is not None:                    # cached here after all (its predecessor was evicted first)
+                if self.ref_counts[block] == 0:
+                    del self.free_ids[block]
+                self.ref_counts[block] += 1
+            else:
+                block = self._take()
+                self.block_hash[block] = h
+                self.cached[h] = block
+                self.stored.append(h)
+                self.imports.append((block, contents))
+            seq.block_table.append(block)
+        return len(found)
 
     # -------- append: room for `num_tokens` tokens in all, copying shared blocks that will be written
     def _writes(self, seq: Sequence, num_tokens: int) -> range:
@@ -156,6 +196,8 @@ class BlockManager:
                 self.block_hash[block] = h
                 self.cached[h] = block
                 self.stored.append(h)
+                if self.track_commits:
+                    self.commits.append((block, h))
         seq.num_committed_blocks = full
 
     def trim(self, seq: Sequence, num_tokens: int | None = None) -> None:
@@ -202,6 +244,8 @@ class BlockManager:
         if h is not None:                                              # evict from the prefix cache
             del self.cached[h]
             self.removed.append(h)
+            if self.track_evictions:
+                self.evictions.append((block, h))
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

@@ -1,0 +1,183 @@
+"""The KV block store: full blocks kept beyond the paged cache, found again by their chain hash.
+
+    engine (one thread)                               tiers
+    commit of a full block  -> write(...)  -> queue -> writer thread -> Redis   (encode, pipelined, budget, TTL)
+    eviction from the cache -> evicted(...) ------------------------------> host memory (LRU, no encoding)
+    prefix-cache miss       -> lookup(hashes) <- host first, then Redis, only while reading is cheaper than
+                                                 computing (shared.kv.transfer_cost)
+
+The block hash already names the model and the request's cache salt (shared.kv.hashing), so tenants never share a
+block; each value also carries the model fingerprint, dtype, layout and a checksum (shared.kv.block_codec), and a
+value that fails any check is a miss. Writes never hold up a step: the engine thread hands over tensors it already
+copied out of the cache, and when the writer falls behind by more than `max_pending_bytes` new writes are dropped.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from shared import metrics
+from shared.kv.block_codec import BlockData, BlockLayout, InvalidBlock, decode, encode
+from shared.kv.hashing import BlockHash
+from shared.kv.host_tier import HostTier
+from shared.kv.redis_tier import RedisTier
+from shared.kv.transfer_cost import TransferCost
+
+log = logging.getLogger(__name__)
+
+WRITE_BATCH = 16              # blocks per Redis write
+KNOWN_HASHES = 65536          # hashes remembered as already in Redis (not written again)
+
+
+class KVBlockStore:
+    def __init__(self, layout: BlockLayout, *, host_bytes: int = 0, remote: RedisTier | None = None,
+                 max_pending_bytes: int = 256 << 20) -> None:
+        self.layout = layout
+        self.tag = layout.key_tag()
+        self.host = HostTier(host_bytes) if host_bytes > 0 else None
+        self.remote = remote
+        self.cost = TransferCost(layout.kv_bytes, layout.block_size)
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._pending_lock = threading.Lock()
+        self._known: OrderedDict[BlockHash, None] = OrderedDict()    # in Redis as far as this process knows
+        self._queue: queue.Queue[list[tuple[BlockHash, BlockData]] | threading.Event | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        if remote is not None:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
+            self._writer.start()
+
+    @property
+    def wants_commits(self) -> bool:
+        return self.remote is not None
+
+    @property
+    def wants_evictions(self) -> bool:
+        return self.host is not None
+
+    # ---------------------------------------------------------------- reads (engine thread)
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[BlockData]:
+        """The blocks of the longest run of `hashes` from the first that the tiers hold and that are worth reading."""
+        out: list[BlockData] = []
+        if self.host is not None:
+            for h in hashes:
+                block = self.host.get(h)
+                if block is None:
+                    break
+                out.append(block)
+            if out:
+                metrics.KV_STORE_HITS.labels("host").inc(len(out))
+                metrics.KV_STORE_BYTES.labels("read").inc(sum(b.nbytes for b in out))
+        rest = hashes[len(out):]
+        if rest and self.remote is not None:
+            if not self.cost.worth_reading(len(rest)):
+                metrics.KV_STORE_SKIPPED.inc(len(rest))
+                return out
+            out += self._read_remote(rest)
+        if len(out) < len(hashes):
+            metrics.KV_STORE_MISSES.inc(len(hashes) - len(out))
+        return out
+
+    def _read_remote(self, hashes: Sequence[BlockHash]) -> list[BlockData]:
+        t0 = time.perf_counter()
+        values = self.remote.get_leading(self.tag, hashes)
+        seconds = time.perf_counter() - t0
+        size = sum(len(v) for v in values)
+        self.cost.observe_read(size, seconds)
+        metrics.KV_STORE_READ_SECONDS.observe(seconds)
+        out = []
+        for h, value in zip(hashes, values):
+            try:
+                out.append(decode(h, self.layout, value))
+            except InvalidBlock as e:
+                metrics.KV_STORE_INVALID.inc()
+                log.warning("KV store value for block %016x not used: %s", h, e)
+                break
+            self._remember(h)
+        if out:
+            metrics.KV_STORE_HITS.labels("redis").inc(len(out))
+            metrics.KV_STORE_BYTES.labels("read").inc(sum(len(v) for v in values[:len(out)]))
+        return out
+
+    # ---------------------------------------------------------------- writes (engine thread hands over)
+    def evicted(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
+        """Blocks the paged cache is about to overwrite: into host memory."""
+        if self.host is not None:
+            for h, block in items:
+                self.host.put(h, block)
+
+    def committed(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
+        """Newly filled blocks: queued for Redis (unless known to be there already)."""
+        if self.remote is None:
+            return
+        new = [(h, b) for h, b in items if h not in self._known]
+        if not new:
+            return
+        size = sum(b.nbytes for _, b in new)
+        with self._pending_lock:
+            if self._pending_bytes + size > self.max_pending_bytes:
+                metrics.KV_STORE_DROPPED.inc(len(new))
+                return
+            self._pending_bytes += size
+        for h, _ in new:
+            self._remember(h)
+        self._queue.put(new)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Waits until every queued write went out (or failed); False on timeout."""
+        if self._writer is None:
+            return True
+        done = threading.Event()
+        self._queue.put(done)                             # the writer sets it when it gets there
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join(timeout=30)
+            self._writer = None
+            self.remote.close()
+
+    def _remember(self, h: BlockHash) -> None:
+        self._known[h] = None
+        self._known.move_to_end(h)
+        if len(self._known) > KNOWN_HASHES:
+            self._known.popitem(last=False)
+
+    def _write_loop(self) -> None:
+        while True:
+            items = self._queue.get()
+            if items is None:
+                return
+            if isinstance(items, threading.Event):
+                items.set()
+                continue
+            size = sum(b.nbytes for _, b in items)
+            try:
+                for start in range(0, len(items), WRITE_BATCH):
+                    batch = [(h, encode(h, self.layout, b)) for h, b in items[start:start + WRITE_BATCH]]
+                    t0 = time.perf_counter()
+                    if self.remote.put(self.tag, batch):
+                        metrics.KV_STORE_WRITE_SECONDS.observe(time.perf_counter() - t0)
+                        metrics.KV_STORE_BYTES.labels("write").inc(sum(len(v) for _, v in batch))
+                    else:
+                        for h, _ in batch:
+                            self._known.pop(h, None)
+            except Exception:                                 # a writer that dies would leak the pending bytes
+                log.exception("KV store write failed")
+            finally:
+                with self._pending_lock:
+                    self._pending_bytes -= size
+
+
+def open_block_store(layout: BlockLayout, url: str | None, budget_gb: float, ttl_s: float,
+                     host_gb: float) -> KVBlockStore | None:
+    """The store the settings ask for: a Redis tier when `url` is set, a host tier when host_gb > 0, else None."""
+    if not url and host_gb <= 0:
+        return None
+    remote = RedisTier(url, budget_bytes=int(budget_gb * 2**30), ttl_s=ttl_s) if url else None
+    return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote)

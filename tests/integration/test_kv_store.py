@@ -1,0 +1,181 @@
+"""The KV block store with a real redis-server: blocks one engine computed are read by another (a replica, or a
+restarted target) bit for bit, tenants stay apart, wrong values are misses, the budget holds, and a dead store
+only costs recomputation. Engines run in process on a tiny Llama checkpoint in fp32."""
+from __future__ import annotations
+
+import redis
+import torch
+
+from shared import metrics
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.kv.hashing import cache_extra, hash_chain
+from shared.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make(path: str, store: str | None = None, host_gb: float = 0.0, blocks: int = 128, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, progress=False, num_kv_blocks=blocks, block_size=BS,
+                                  max_num_batched_tokens=64, kv_store=store, kv_host_gb=host_gb, **kw))
+
+
+def prompt(seed: int, n: int = 41) -> list[int]:
+    return torch.randint(1, 90, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(eng: LLMEngine, ids: list[int], salt: str = "", tokens: int = 12) -> tuple[list[int], int]:
+    """Greedy tokens and the request's cached prompt tokens."""
+    eng.add_request(f"r{id(ids)}-{salt}-{tokens}", ids, SamplingParams(temperature=0, max_tokens=tokens,
+                                                                      ignore_eos=True, cache_salt=salt))
+    out, cached = [], None
+    while eng.has_unfinished():
+        for d in eng.step():
+            out += d.token_ids
+            cached = d.num_cached_tokens
+    return out, cached
+
+
+def record_logits(eng: LLMEngine) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    model = eng.runner.model
+    plain = model.compute_logits
+
+    def keep(hidden):
+        out = plain(hidden)
+        seen.append(out.clone())
+        return out
+    model.compute_logits = keep
+    return seen
+
+
+def value_keys(url: str) -> list[bytes]:
+    r = redis.Redis.from_url(url)
+    return [k for k in r.scan_iter("upesi:kv:*") if k.count(b":") == 3]
+
+
+def test_a_replica_reads_what_another_computed_bit_for_bit(tiny_llama_dir, redis_url):
+    ids = prompt(1)
+    a = make(tiny_llama_dir, redis_url)
+    expect, cached_a = run(a, ids)
+    assert cached_a == 0
+    assert a.kv_store.flush()
+    assert len(value_keys(redis_url)) == (len(ids) + len(expect) - 1) // BS    # every full block it computed
+    # B: a fresh replica (or A restarted with an empty cache) gets the prefix from Redis...
+    b = make(tiny_llama_dir, redis_url)
+    hits = metrics.KV_STORE_HITS.labels("redis")._value.get()
+    b_logits = record_logits(b)
+    got, cached_b = run(b, ids)
+    assert got == expect
+    assert cached_b == (len(ids) - 1) // BS * BS
+    assert metrics.KV_STORE_HITS.labels("redis")._value.get() - hits == cached_b // BS
+    # ... and its logits equal those of a replica that had the same prefix in its own cache (same rows computed)
+    c = make(tiny_llama_dir)
+    run(c, ids[:cached_b] + [7, 7, 7, 7, 7], tokens=1)             # puts the prefix into C's cache
+    c_logits = record_logits(c)
+    got_c, cached_c = run(c, ids)
+    assert cached_c == cached_b and got_c == expect
+    assert len(b_logits) == len(c_logits)
+    assert all(torch.equal(x, y) for x, y in zip(b_logits, c_logits))
+    for e in (a, b, c):
+        e.close()
+        assert e.block_manager.num_used_blocks == 0
+
+
+def test_imported_kv_equals_the_computed_kv(tiny_llama_dir, redis_url):
+    ids = prompt(2)
+    a = make(tiny_llama_dir, redis_url)
+    run(a, ids, tokens=1)
+    a.kv_store.flush()
+    b = make(tiny_llama_dir, redis_url)
+    run(b, ids, tokens=1)
+    n = len(ids) // BS
+    for eng in (a, b):                                          # the finished prompt's blocks stay cached
+        assert len(eng.block_manager.cached) >= (len(ids) - 1) // BS
+    hashes = hash_chain(ids, BS, cache_extra(a.model_cfg.name))[:n - 1]
+    kv_a = a.runner.read_blocks([a.block_manager.cached[h] for h in hashes])
+    kv_b = b.runner.read_blocks([b.block_manager.cached[h] for h in hashes])
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(kv_a, kv_b))
+    a.close()
+    b.close()
+
+
+def test_tenants_never_read_each_others_blocks(tiny_llama_dir, redis_url):
+    ids = prompt(3)
+    a = make(tiny_llama_dir, redis_url)
+    run(a, ids, salt="tenant-1")
+    a.kv_store.flush()
+    b = make(tiny_llama_dir, redis_url)
+    _, other = run(b, ids, salt="tenant-2")
+    _, same = run(make(tiny_llama_dir, redis_url), ids, salt="tenant-1")
+    assert other == 0 and same > 0
+    a.close()
+    b.close()
+
+
+def test_a_corrupted_entry_is_a_miss(tiny_llama_dir, redis_url):
+    ids = prompt(4)
+    a = make(tiny_llama_dir, redis_url)
+    expect, _ = run(a, ids)
+    a.kv_store.flush()
+    r = redis.Redis.from_url(redis_url)
+    b0 = make(tiny_llama_dir, redis_url)
+    hashes = hash_chain(ids, BS, cache_extra(a.model_cfg.name))
+    key = b0.kv_store.remote.key(b0.kv_store.tag, hashes[3])         # the 4th block: 3 are still good
+    value = bytearray(r.get(key))
+    value[len(value) // 2] ^= 0x01
+    r.set(key, bytes(value))
+    invalid = metrics.KV_STORE_INVALID._value.get()
+    got, cached = run(b0, ids)
+    assert got == expect
+    assert cached == 3 * BS
+    assert metrics.KV_STORE_INVALID._value.get() == invalid + 1
+    a.close()
+    b0.close()
+
+
+def test_the_budget_evicts_least_recently_used(tiny_llama_dir, redis_url):
+    probe = make(tiny_llama_dir, redis_url)
+    per_block = probe.kv_store.layout.kv_bytes
+    probe.close()
+    a = make(tiny_llama_dir, redis_url, kv_store_gb=20.5 * per_block / 2**30)   # about 20 blocks' worth
+    for seed in range(10, 14):                                       # 4 prompts x 10 full blocks
+        run(a, prompt(seed), tokens=1)
+        a.kv_store.flush()
+    r = redis.Redis.from_url(redis_url)
+    assert int(r.get("upesi:kv:bytes")) <= 20.5 * per_block
+    assert 10 <= len(value_keys(redis_url)) <= 20
+    b = make(tiny_llama_dir, redis_url)
+    _, newest = run(b, prompt(13), tokens=1)
+    _, oldest = run(b, prompt(10), tokens=1)
+    assert newest == 40 and oldest == 0
+    a.close()
+    b.close()
+
+
+def test_a_dead_store_only_costs_recomputation(tiny_llama_dir, redis_server):
+    ids = prompt(5)
+    a = make(tiny_llama_dir, redis_server.url)
+    expect, _ = run(a, ids)
+    a.kv_store.flush()
+    redis_server.stop()
+    b = make(tiny_llama_dir, redis_server.url)
+    got, cached = run(b, ids)
+    assert got == expect and cached == 0
+    assert b.kv_store.flush()                     # the failed writes did not wedge the writer
+    a.close()
+    b.close()
+
+
+def test_host_tier_brings_back_evicted_blocks(tiny_llama_dir):
+    ids, other = prompt(6), prompt(7, 100)
+    ref, _ = run(make(tiny_llama_dir, blocks=32), ids)
+    eng = make(tiny_llama_dir, host_gb=0.01, blocks=32)
+    run(eng, ids)
+    run(eng, other)                                # 28 blocks of 32: evicts 10 of the first request's 14
+    hits = metrics.KV_STORE_HITS.labels("host")._value.get()
+    got, cached = run(eng, ids)
+    assert got == ref
+    assert cached == (len(ids) - 1) // BS * BS
+    assert metrics.KV_STORE_HITS.labels("host")._value.get() - hits >= 5     # its tail came back from the host
+    assert eng.block_manager.num_used_blocks == 0

@@ -1,0 +1,147 @@
+"""The KV block store through running stacks, with a real redis-server.
+
+Shows: a prompt one target replica computed is served by the other with `cached_tokens` read from the store; a target
+killed and restarted with an empty cache gets the prefix back from Redis; prefill/decode disaggregation (a prefill
+target writes the prompt's blocks, the decode target reads them and decodes, with n-gram speculation) gives
+transformers' greedy tokens; the targets export the store's metrics.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from shared.testing.redis_server import RedisServer
+from tests.conftest import CHAT_PROMPTS, GREEDY_TOKENS, Stack
+from upesi.v1 import generation_pb2 as pb
+from upesi.v1 import generation_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a meticulous assistant for a library who answers in full sentences. " * 10
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def ask(stub, question: str, system: str = SYSTEM, max_tokens: int = 4) -> pb.GenerateResponse:
+    messages = [pb.ChatMessage(role="system", content=system)] if system else []
+    return stub.Generate(pb.GenerateRequest(messages=messages + [pb.ChatMessage(role="user", content=question)],
+                                            max_tokens=max_tokens, temperature=0), timeout=120)
+
+
+class Busy:
+    """A long stream on one replica, so that the router's next request goes to the other (least loaded)."""
+
+    def __init__(self, stub) -> None:
+        self.call = stub.GenerateStream(pb.GenerateRequest(prompt="Tell me a long story.", max_tokens=2000,
+                                                           ignore_eos=True, temperature=0), timeout=300)
+        self.first = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+        assert self.first.wait(60)
+
+    def _drain(self) -> None:
+        try:
+            for _ in self.call:
+                self.first.set()
+        except grpc.RpcError:
+            pass
+
+    def stop(self) -> None:
+        self.call.cancel()
+        self.thread.join(30)
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def target_pids(stack: Stack) -> dict[int, int]:
+    import psutil
+    out = {}
+    for child in psutil.Process(stack.proc.pid).children():
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:                       # gone, or a zombie not reaped yet
+            continue
+        if "target" in cmd and "--address" in cmd:
+            out[int(cmd[cmd.index("--address") + 1].rsplit(":", 1)[1])] = child.pid
+    return out
+
+
+def test_replicas_share_blocks_and_a_restarted_target_gets_them_back(redis, tmp_path):
+    s = Stack(tmp_path, ["--target-replicas", "2", "--kv-store", redis.url])
+    try:
+        s.wait_ready()
+        with grpc.insecure_channel(s.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            expect = ask(stub, "Where are the maps?")                     # idle tie: replica 0 computes it
+            assert expect.usage.cached_tokens == 0
+            time.sleep(1.0)                                              # its blocks go to Redis in the background
+            busy = Busy(stub)                                            # replica 0 busy: the next goes to 1
+            other = ask(stub, "Where are the maps?")
+            busy.stop()
+            assert other.usage.cached_tokens >= 128                      # replica 1 never saw it: from Redis
+            assert list(other.choices[0].token_ids) == list(expect.choices[0].token_ids)
+            assert metric(s.metrics_port + 1, 'upesi_kv_store_hits_total{tier="redis"}') >= 8
+            assert metric(s.metrics_port, 'upesi_kv_store_bytes_total{direction="write"}') > 0
+
+            # replica 0 is killed and restarted by `upesi serve`: an empty cache, the prefix comes back from Redis
+            port0 = min(target_pids(s))
+            killed = target_pids(s)[port0]
+            os.kill(killed, signal.SIGKILL)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                pids = target_pids(s)
+                if pids.get(port0, killed) != killed and metric_ok(s.metrics_port):
+                    break
+                time.sleep(1)
+            else:
+                pytest.fail("replica 0 was not restarted")
+            again = None
+            for _ in range(40):                     # idle tie: replica 0, once the router has taken it back
+                again = ask(stub, "Where are the maps?")
+                if metric(s.metrics_port, "upesi_prefix_cache_queries_total") > 0:
+                    break
+                time.sleep(0.5)
+            assert metric(s.metrics_port, 'upesi_kv_store_hits_total{tier="redis"}') >= 8
+            assert list(again.choices[0].token_ids) == list(expect.choices[0].token_ids)
+    finally:
+        assert s.stop() == 0
+
+
+def metric_ok(port: int) -> bool:
+    try:
+        metric(port, "upesi_kv_blocks_total")
+        return True
+    except OSError:
+        return False
+
+
+def test_prefill_decode_disaggregation_equals_transformers(redis, hf_greedy, tmp_path):
+    s = Stack(tmp_path, ["--prefill-replicas", "1", "--kv-store", redis.url, "--speculative", "ngram"])
+    try:
+        s.wait_ready()
+        with grpc.insecure_channel(s.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for prompt, ref in zip(CHAT_PROMPTS, hf_greedy):
+                r = ask(stub, prompt, system="", max_tokens=GREEDY_TOKENS)
+                assert list(r.choices[0].token_ids) == ref
+                assert r.usage.cached_tokens >= 16
+        decode, prefill = s.metrics_port, s.metrics_port + 1
+        assert metric(decode, 'upesi_kv_store_hits_total{tier="redis"}') >= len(CHAT_PROMPTS)
+        assert metric(decode, "upesi_spec_draft_tokens_total") > 0             # speculation on the decode side
+        assert metric(prefill, 'upesi_kv_store_bytes_total{direction="write"}') > 0
+    finally:
+        assert s.stop() == 0
