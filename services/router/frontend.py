@@ -223,7 +223,7 @@ class Frontend:
             async with contextlib.aclosing(target.generate(uuid.uuid4().hex, ids, once, left)) as steps:
                 async for _ in steps:
                     pass
-        except (PeerUnavailable, grpc.aio.AioRpcError) as e:
+        except Exception as e:                 # best effort: whatever failed, the decode target computes the prompt
             log.warning("prefill on %s failed (%s); the decode target computes the prompt", target.address, e)
         finally:
             self.load[target.address] -= 1
