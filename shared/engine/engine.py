@@ -24,8 +24,8 @@ from shared.engine.sequence import Sequence
 from shared.errors import InvalidRequest
 from shared.kv.block_codec import BlockData, BlockLayout, model_fingerprint
 from shared.kv.block_manager import BlockManager
-from shared.kv.hashing import cache_extra
 from shared.kv.block_store import open_block_store
+from shared.kv.hashing import cache_extra
 from shared.model.loader import load_config
 from shared.model.registry import build_model, check_architecture
 from shared.model_files import resolve_model_path
