@@ -71,6 +71,20 @@ class Stack:
             time.sleep(0.5)
         raise TimeoutError(self.log.read_text()[-3000:])
 
+    def target_pids(self) -> dict[int, int]:
+        """port -> pid of the stack's target processes (children of `upesi serve`, from /proc); a child that is
+        gone or not reaped yet is left out."""
+        import psutil
+        out = {}
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                cmd = child.cmdline()
+            except psutil.Error:
+                continue
+            if "target" in cmd and "--address" in cmd:
+                out[int(cmd[cmd.index("--address") + 1].rsplit(":", 1)[1])] = child.pid
+        return out
+
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)

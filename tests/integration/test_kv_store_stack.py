@@ -16,7 +16,6 @@ import urllib.request
 import grpc
 import pytest
 
-from shared.testing.redis_server import RedisServer
 from tests.conftest import CHAT_PROMPTS, GREEDY_TOKENS, Stack
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc
@@ -24,13 +23,6 @@ from upesi.v1 import generation_pb2_grpc
 pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a meticulous assistant for a library who answers in full sentences. " * 10
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 def ask(stub, question: str, system: str = SYSTEM, max_tokens: int = 4) -> pb.GenerateResponse:
@@ -67,19 +59,6 @@ def metric(port: int, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def target_pids(stack: Stack) -> dict[int, int]:
-    import psutil
-    out = {}
-    for child in psutil.Process(stack.proc.pid).children():
-        try:
-            cmd = child.cmdline()
-        except psutil.Error:                       # gone, or a zombie not reaped yet
-            continue
-        if "target" in cmd and "--address" in cmd:
-            out[int(cmd[cmd.index("--address") + 1].rsplit(":", 1)[1])] = child.pid
-    return out
-
-
 def test_replicas_share_blocks_and_a_restarted_target_gets_them_back(redis, tmp_path):
     s = Stack(tmp_path, ["--target-replicas", "2", "--kv-store", redis.url])
     try:
@@ -98,12 +77,12 @@ def test_replicas_share_blocks_and_a_restarted_target_gets_them_back(redis, tmp_
             assert metric(s.metrics_port, 'upesi_kv_store_bytes_total{direction="write"}') > 0
 
             # replica 0 is killed and restarted by `upesi serve`: an empty cache, the prefix comes back from Redis
-            port0 = min(target_pids(s))
-            killed = target_pids(s)[port0]
+            port0 = min(s.target_pids())
+            killed = s.target_pids()[port0]
             os.kill(killed, signal.SIGKILL)
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
-                pids = target_pids(s)
+                pids = s.target_pids()
                 if pids.get(port0, killed) != killed and metric_ok(s.metrics_port):
                     break
                 time.sleep(1)

@@ -13,7 +13,6 @@ import urllib.request
 import grpc
 import pytest
 
-from shared.testing.redis_server import RedisServer
 from tests.conftest import Stack
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc, target_pb2, target_pb2_grpc
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.slow
 
 SYSTEM_A = "You are a meticulous assistant for a library. " * 12
 SYSTEM_B = "You are a cheerful cooking coach who answers briefly. " * 12
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +108,6 @@ def test_metrics_and_no_leaked_blocks(two):
     assert sum(hits) >= 64 * 3
 
 
-def _target_pids(stack: Stack) -> dict[int, int]:
-    """port -> pid of the stack's target processes (children of `upesi serve`, from /proc)."""
-    import psutil
-    out = {}
-    for child in psutil.Process(stack.proc.pid).children():
-        cmd = child.cmdline()
-        if "target" in cmd and "--address" in cmd:
-            out[int(cmd[cmd.index("--address") + 1].rsplit(":", 1)[1])] = child.pid
-    return out
-
-
 def test_a_killed_replica_is_routed_around_and_restarted(two):
     """kill -9 of one target: every following request is served (by the other replica, the dead one marked down
     after its first refusal); `upesi serve` restarts it, and once it is back the router uses it again, shown by
@@ -137,14 +118,14 @@ def test_a_killed_replica_is_routed_around_and_restarted(two):
     with grpc.insecure_channel(two.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         for victim_port in target_ports(two):
-            pids = _target_pids(two)
+            pids = two.target_pids()
             os.kill(pids[victim_port], signal.SIGKILL)
             for i in range(8):                              # while it is down or restarting
                 r = ask(stub, SYSTEM_A, f"Name {i + 2} books.", max_tokens=3)
                 assert r.usage.completion_tokens == 3
             deadline = time.monotonic() + 240               # the launcher restarts it; it loads and serves again
             while time.monotonic() < deadline:
-                back = _target_pids(two).get(victim_port)
+                back = two.target_pids().get(victim_port)
                 if back not in (None, pids[victim_port]):
                     try:
                         with grpc.insecure_channel(f"127.0.0.1:{victim_port}") as tch:
