@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 PANEL, TILE = 16, 64          # output columns per panel; per tile of 4 panels (N is padded to a multiple)
-MAX_ROWS = 24                 # the fused decoder's limit (shared.ops.decoder_bf16) where there is no AMX
+MAX_ROWS = 64                 # the fused decoder's limit where there is no AMX (a batch of up to 64 decodes)
 AMX_ROWS = 9                  # with AMX: more rows than this go to oneDNN (a 9-row verification stays)
 
 
