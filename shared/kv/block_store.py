@@ -14,6 +14,7 @@ copied out of the cache, and when the writer falls behind by more than `max_pend
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 WRITE_BATCH = 16              # blocks per Redis write
 KNOWN_HASHES = 65536          # hashes remembered as already in Redis (not written again)
+WRITER_NICE = 10              # the writer thread's nice value: encoding and sending yield to the forward passes
 
 
 class KVBlockStore:
@@ -149,6 +151,10 @@ class KVBlockStore:
             self._known.popitem(last=False)
 
     def _write_loop(self) -> None:
+        try:                                     # Linux: a thread's own nice value; the steps' threads go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             items = self._queue.get()
             if items is None:

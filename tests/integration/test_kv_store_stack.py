@@ -122,5 +122,12 @@ def test_prefill_decode_disaggregation_equals_transformers(redis, hf_greedy, tmp
         assert metric(decode, 'upesi_kv_store_hits_total{tier="redis"}') >= len(CHAT_PROMPTS)
         assert metric(decode, "upesi_spec_draft_tokens_total") > 0             # speculation on the decode side
         assert metric(prefill, 'upesi_kv_store_bytes_total{direction="write"}') > 0
+        # The prefill target dies: requests are still answered, the decode target computing the prompts itself.
+        os.kill(s.target_pids()[max(s.target_pids())], signal.SIGKILL)
+        with grpc.insecure_channel(s.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for prompt in CHAT_PROMPTS[:2]:
+                r = ask(stub, prompt + " Answer briefly.", system="", max_tokens=GREEDY_TOKENS)
+                assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
     finally:
         assert s.stop() == 0
