@@ -62,10 +62,12 @@ _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
 }
+_GGUF_ARCH_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}       # Phi-3 keeps gate and up in one tensor
 # Architectures read from GGUF (llama.cpp's names), and whether their q / k rows were permuted for llama.cpp's RoPE
 # (its converter does so for Llama only).
-_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False}
+_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False}
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -104,6 +106,12 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
         scaling = {"rope_type": kind, "factor": _gguf_field(r, p + "rope.scaling.factor"),
                    "original_max_position_embeddings": _gguf_field(r, p + "rope.scaling.original_context_length")}
     has_output = any(t.name == "output.weight" for t in r.tensors)
+    extra = {}
+    if arch == "phi3":                       # its window applies on every layer (shared.model.llama.layer_windows)
+        extra["sliding_window"] = _gguf_field(r, p + "attention.sliding_window")
+        if any(t.name.startswith("rope_factors_") for t in r.tensors):
+            raise ValueError("phi3 GGUF files with LongRoPE factors (the 128k variants) are not supported; load "
+                             "the Hugging Face folder instead")
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
@@ -122,6 +130,7 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
         bos_token_id=_gguf_field(r, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
         name=_gguf_field(r, "general.name", os.path.basename(path)),
+        extra=extra,
     )
 
 
@@ -135,13 +144,14 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
 
     r = _reader(*file_version(path))
     permuted = _GGUF_ARCHS[cfg.architecture]
+    names = _GGUF_NAMES | _GGUF_ARCH_NAMES.get(cfg.architecture, {})
     try:
         for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
             parts = t.name.split(".")
             if parts[0] == "blk":
-                name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+                name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
             else:
-                name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+                name = f"{names[parts[0]]}.{parts[1]}"
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if w.ndim == 1:
                 w = w.reshape(-1)

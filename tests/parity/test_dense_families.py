@@ -160,7 +160,7 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=8))
 
 
-def _to_gguf(model, arch: str, path) -> None:
+def _to_gguf(model, arch: str, path, extra_tensors: dict | None = None) -> None:
     """The checkpoint as llama.cpp would name it in a GGUF file (gguf's own tensor-name map), fp32, no tokenizer."""
     import gguf
     c = model.config
@@ -177,19 +177,24 @@ def _to_gguf(model, arch: str, path) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_eos_token_id(c.eos_token_id)
+    if getattr(c, "sliding_window", None):
+        w.add_sliding_window(c.sliding_window)
     for name, t in model.state_dict().items():
         base, kind = name.rsplit(".", 1)
         w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
+    for name, t in (extra_tensors or {}).items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_gguf_files_of_qwen_match_transformers(tmp_path, family):
-    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms, its own head_dim) written as GGUF with gguf's tensor names (their
-    q/k rows unpermuted, as llama.cpp's converter leaves them), loaded and run against the model they came from."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+def test_gguf_files_match_transformers(tmp_path, family):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms, its own head_dim) and Phi-3 (fused qkv and gate-up, a 16-token window
+    on every layer, here crossed by the 60-token prompt) written as GGUF with gguf's tensor names (their q/k rows
+    unpermuted, as llama.cpp's converter leaves them), loaded and run against the model they came from."""
     torch.manual_seed(0)
     ref = MAKERS[family]().eval()
     with torch.no_grad():
@@ -204,3 +209,17 @@ def test_gguf_files_of_qwen_match_transformers(tmp_path, family):
     assert (eng.score(ids) - expect).abs().max().item() < 1e-4
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 24)
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused_by_name(tmp_path):
+    """The 128k Phi-3 variants' GGUF files carry LongRoPE factor tensors, which this loader does not read: refused
+    with a message that names the way that works (the Hugging Face folder), never served with the wrong RoPE."""
+    import gguf
+    torch.manual_seed(0)
+    ref = MAKERS["phi3"]().eval()
+    path = tmp_path / "phi3.gguf"
+    half = ref.config.hidden_size // ref.config.num_attention_heads // 2
+    _to_gguf(ref, "phi3", path, extra_tensors={
+        gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight": torch.ones(half).numpy()})
+    with pytest.raises(ValueError, match="LongRoPE.*Hugging Face folder"):
+        LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=8))
