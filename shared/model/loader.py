@@ -64,10 +64,16 @@ _GGUF_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",
 }
-_GGUF_ARCH_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}       # Phi-3 keeps gate and up in one tensor
+_GGUF_ARCH_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},                              # Phi-3 keeps gate and up in one tensor
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added: subtract it again
+_GGUF_NORM_OFFSET = {"gemma2": 1.0}
 # Architectures read from GGUF (llama.cpp's names), and whether their q / k rows were permuted for llama.cpp's RoPE
 # (its converter does so for Llama only).
-_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False}
+_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma2": False}
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -112,6 +118,14 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
         if any(t.name.startswith("rope_factors_") for t in r.tensors):
             raise ValueError("phi3 GGUF files with LongRoPE factors (the 128k variants) are not supported; load "
                              "the Hugging Face folder instead")
+    if arch == "gemma2":                     # local and global layers alternate, the first one local
+        blocks = _gguf_field(r, p + "block_count")
+        extra.update(sliding_window=_gguf_field(r, p + "attention.sliding_window"),
+                     layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(blocks)],
+                     attn_logit_softcapping=_gguf_field(r, p + "attn_logit_softcapping"),
+                     final_logit_softcapping=_gguf_field(r, p + "final_logit_softcapping"),
+                     # not in the file: llama.cpp scales scores by the head dim, by hidden / heads for the 27B
+                     query_pre_attn_scalar=hidden // heads if blocks == 46 else head_dim)
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
@@ -155,6 +169,8 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if w.ndim == 1:
                 w = w.reshape(-1)
+            if parts[-1] == "weight" and parts[-2].endswith("norm") and cfg.architecture in _GGUF_NORM_OFFSET:
+                w = w - _GGUF_NORM_OFFSET[cfg.architecture]
             if permuted and parts[-2:-1] == ["attn_q"]:
                 w = _unpermute(w, cfg.num_heads)
             elif permuted and parts[-2:-1] == ["attn_k"]:

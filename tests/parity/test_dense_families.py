@@ -41,9 +41,9 @@ GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
 
 
-def _gemma2():
+def _gemma2(**kw):
     from transformers import Gemma2Config, Gemma2ForCausalLM
-    return Gemma2ForCausalLM(Gemma2Config(**COMMON, **GEMMA, intermediate_size=96, attn_logit_softcapping=5.0,
+    return Gemma2ForCausalLM(Gemma2Config(**(COMMON | GEMMA | kw), intermediate_size=96, attn_logit_softcapping=5.0,
                                           final_logit_softcapping=3.0))
 
 
@@ -161,7 +161,8 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path):
 
 
 def _to_gguf(model, arch: str, path, extra_tensors: dict | None = None) -> None:
-    """The checkpoint as llama.cpp would name it in a GGUF file (gguf's own tensor-name map), fp32, no tokenizer."""
+    """The checkpoint as llama.cpp would name it in a GGUF file (gguf's own tensor-name map), fp32, no tokenizer;
+    Gemma's norm weights with 1 added, as llama.cpp's converter writes them."""
     import gguf
     c = model.config
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.num_hidden_layers)
@@ -179,8 +180,16 @@ def _to_gguf(model, arch: str, path, extra_tensors: dict | None = None) -> None:
     w.add_eos_token_id(c.eos_token_id)
     if getattr(c, "sliding_window", None):
         w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     for name, t in model.state_dict().items():
         base, kind = name.rsplit(".", 1)
+        if names.get_name(base) is None:        # a tied lm_head (Gemma): the file has the embedding only
+            assert c.tie_word_embeddings, f"{base} has no GGUF name"
+            continue
+        if arch == "gemma2" and base.endswith("norm"):
+            t = t + 1
         w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
     for name, t in (extra_tensors or {}).items():
         w.add_tensor(name, t)
@@ -190,13 +199,20 @@ def _to_gguf(model, arch: str, path, extra_tensors: dict | None = None) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+GGUF_MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
+               # as every Gemma 2: tied embeddings, and query_pre_attn_scalar = head dim (a GGUF file does not carry
+               # it; llama.cpp takes the head dim, but for the 27B)
+               "gemma2": lambda: _gemma2(query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True)}
+
+
+@pytest.mark.parametrize("family", list(GGUF_MAKERS))
 def test_gguf_files_match_transformers(tmp_path, family):
-    """Qwen2 (q/k/v biases), Qwen3 (q/k norms, its own head_dim) and Phi-3 (fused qkv and gate-up, a 16-token window
-    on every layer, here crossed by the 60-token prompt) written as GGUF with gguf's tensor names (their q/k rows
-    unpermuted, as llama.cpp's converter leaves them), loaded and run against the model they came from."""
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms, its own head_dim), Phi-3 (fused qkv and gate-up, a 16-token window
+    on every layer) and Gemma 2 (norms stored as 1 + w, four a layer, alternating 12-token windows, soft caps)
+    written as GGUF with gguf's tensor names (q/k rows unpermuted, as llama.cpp's converter leaves them), loaded
+    and run against the model they came from; the 60-token prompt crosses every window."""
     torch.manual_seed(0)
-    ref = MAKERS[family]().eval()
+    ref = GGUF_MAKERS[family]().eval()
     with torch.no_grad():
         ref.lm_head.weight.mul_(8)
     path = tmp_path / f"{family}.gguf"
