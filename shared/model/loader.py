@@ -69,11 +69,13 @@ _GGUF_ARCH_NAMES = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
+_GGUF_ARCH_NAMES["gemma3_text"] = _GGUF_ARCH_NAMES["gemma2"]
 # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added: subtract it again
-_GGUF_NORM_OFFSET = {"gemma2": 1.0}
+_GGUF_NORM_OFFSET = {"gemma2": 1.0, "gemma3_text": 1.0}
 # Architectures read from GGUF (llama.cpp's names), and whether their q / k rows were permuted for llama.cpp's RoPE
 # (its converter does so for Llama only).
-_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma2": False}
+_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma2": False, "gemma3": False}
+_GGUF_ARCH_AS = {"gemma3": "gemma3_text"}                      # llama.cpp's name -> shared.model.registry's
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -112,23 +114,10 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
         scaling = {"rope_type": kind, "factor": _gguf_field(r, p + "rope.scaling.factor"),
                    "original_max_position_embeddings": _gguf_field(r, p + "rope.scaling.original_context_length")}
     has_output = any(t.name == "output.weight" for t in r.tensors)
-    extra = {}
-    if arch == "phi3":                       # its window applies on every layer (shared.model.llama.layer_windows)
-        extra["sliding_window"] = _gguf_field(r, p + "attention.sliding_window")
-        if any(t.name.startswith("rope_factors_") for t in r.tensors):
-            raise ValueError("phi3 GGUF files with LongRoPE factors (the 128k variants) are not supported; load "
-                             "the Hugging Face folder instead")
-    if arch == "gemma2":                     # local and global layers alternate, the first one local
-        blocks = _gguf_field(r, p + "block_count")
-        extra.update(sliding_window=_gguf_field(r, p + "attention.sliding_window"),
-                     layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(blocks)],
-                     attn_logit_softcapping=_gguf_field(r, p + "attn_logit_softcapping"),
-                     final_logit_softcapping=_gguf_field(r, p + "final_logit_softcapping"),
-                     # not in the file: llama.cpp scales scores by the head dim, by hidden / heads for the 27B
-                     query_pre_attn_scalar=hidden // heads if blocks == 46 else head_dim)
+    extra, scaling = _family_fields(r, arch, hidden // heads, head_dim, scaling)
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture=arch,
+        architecture=_GGUF_ARCH_AS.get(arch, arch),
         vocab_size=_gguf_field(r, p + "vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
         intermediate_size=_gguf_field(r, p + "feed_forward_length"),
@@ -148,6 +137,40 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
     )
 
 
+def _family_fields(r, arch: str, width: int, head_dim: int, scaling: dict | None) -> tuple[dict, dict | None]:
+    """The family's own config fields (ModelConfig.extra) that a GGUF file keeps in its metadata or implies as
+    llama.cpp reads it, and the RoPE scaling left for ModelConfig (Gemma 3 keeps its own per layer kind).
+    width: hidden / heads."""
+    p = f"{arch}."
+    extra: dict = {}
+    blocks = _gguf_field(r, p + "block_count")
+    if arch == "phi3":                       # its window applies on every layer (shared.model.llama.layer_windows)
+        extra["sliding_window"] = _gguf_field(r, p + "attention.sliding_window")
+        if any(t.name.startswith("rope_factors_") for t in r.tensors):
+            raise ValueError("phi3 GGUF files with LongRoPE factors (the 128k variants) are not supported; load "
+                             "the Hugging Face folder instead")
+    if arch in ("gemma2", "gemma3"):
+        # not in the file: llama.cpp scales scores by the head dim, by hidden / heads for the 27B models
+        extra.update(sliding_window=_gguf_field(r, p + "attention.sliding_window"),
+                     query_pre_attn_scalar=width if blocks == {"gemma2": 46, "gemma3": 62}[arch] else head_dim)
+    if arch == "gemma2":                     # local and global layers alternate, the first one local
+        extra.update(layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(blocks)],
+                     attn_logit_softcapping=_gguf_field(r, p + "attn_logit_softcapping"),
+                     final_logit_softcapping=_gguf_field(r, p + "final_logit_softcapping"))
+    if arch == "gemma3":                     # every 6th layer global; local layers on their own RoPE base
+        pattern = _gguf_field(r, p + "attention.sliding_window_pattern", 6)
+        local = ([bool(x) for x in pattern] if isinstance(pattern, list) else
+                 [(i + 1) % pattern != 0 for i in range(blocks)])
+        extra["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
+        full = {"rope_type": "default", "rope_theta": float(_gguf_field(r, p + "rope.freq_base", 10000.0))}
+        if scaling:
+            full |= {"rope_type": scaling["rope_type"], "factor": scaling["factor"]}
+        extra["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": float(_gguf_field(r, p + "rope.freq_base_swa", 10000.0))}}
+        scaling = None
+    return extra, scaling
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp stores q/k rows interleaved for its RoPE; restore Hugging Face's rotate-half order."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -157,7 +180,7 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
     from gguf.quants import dequantize
 
     r = _reader(*file_version(path))
-    permuted = _GGUF_ARCHS[cfg.architecture]
+    permuted = _GGUF_ARCHS.get(cfg.architecture, False)
     names = _GGUF_NAMES | _GGUF_ARCH_NAMES.get(cfg.architecture, {})
     try:
         for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):

@@ -47,10 +47,10 @@ def _gemma2(**kw):
                                           final_logit_softcapping=3.0))
 
 
-def _gemma3():
+def _gemma3(local_theta: float = 100.0, **kw):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    return Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, **GEMMA, intermediate_size=96, rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    return Gemma3ForCausalLM(Gemma3TextConfig(**(COMMON | GEMMA | kw), intermediate_size=96, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}))
 
 
@@ -174,13 +174,18 @@ def _to_gguf(model, arch: str, path, extra_tensors: dict | None = None) -> None:
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)     # Gemma 3: per layer kind
+    w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "gemma3":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_eos_token_id(c.eos_token_id)
     if getattr(c, "sliding_window", None):
         w.add_sliding_window(c.sliding_window)
-    if arch == "gemma2":
+    if arch == "gemma2":                    # (Gemma 3 has no soft caps)
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
     for name, t in model.state_dict().items():
@@ -188,7 +193,7 @@ def _to_gguf(model, arch: str, path, extra_tensors: dict | None = None) -> None:
         if names.get_name(base) is None:        # a tied lm_head (Gemma): the file has the embedding only
             assert c.tie_word_embeddings, f"{base} has no GGUF name"
             continue
-        if arch == "gemma2" and base.endswith("norm"):
+        if arch.startswith("gemma") and base.endswith("norm"):
             t = t + 1
         w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
     for name, t in (extra_tensors or {}).items():
@@ -202,15 +207,20 @@ def _to_gguf(model, arch: str, path, extra_tensors: dict | None = None) -> None:
 GGUF_MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
                # as every Gemma 2: tied embeddings, and query_pre_attn_scalar = head dim (a GGUF file does not carry
                # it; llama.cpp takes the head dim, but for the 27B)
-               "gemma2": lambda: _gemma2(query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True)}
+               "gemma2": lambda: _gemma2(query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True),
+               # Gemma 3 as llama.cpp reads it: every 6th layer global, the local RoPE base 10000
+               "gemma3": lambda: _gemma3(10000.0, query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True,
+                                         num_hidden_layers=6, layer_types=None)}
 
 
 @pytest.mark.parametrize("family", list(GGUF_MAKERS))
 def test_gguf_files_match_transformers(tmp_path, family):
     """Qwen2 (q/k/v biases), Qwen3 (q/k norms, its own head_dim), Phi-3 (fused qkv and gate-up, a 16-token window
     on every layer) and Gemma 2 (norms stored as 1 + w, four a layer, alternating 12-token windows, soft caps)
-    written as GGUF with gguf's tensor names (q/k rows unpermuted, as llama.cpp's converter leaves them), loaded
-    and run against the model they came from; the 60-token prompt crosses every window."""
+    and Gemma 3 (its q/k norms stored as 1 + w too, every 6th layer global with linear RoPE scaling, the local
+    layers on their own base) written as GGUF with gguf's tensor names (q/k rows unpermuted, as llama.cpp's
+    converter leaves them), loaded and run against the model they came from; the 60-token prompt crosses every
+    window."""
     torch.manual_seed(0)
     ref = GGUF_MAKERS[family]().eval()
     with torch.no_grad():
@@ -218,7 +228,7 @@ def test_gguf_files_match_transformers(tmp_path, family):
     path = tmp_path / f"{family}.gguf"
     _to_gguf(ref, family, path)
     eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16))
-    assert eng.model_cfg.architecture == family
+    assert eng.model_cfg.architecture == {"gemma3": "gemma3_text"}.get(family, family)
     ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         expect = ref(torch.tensor([ids])).logits[0]
