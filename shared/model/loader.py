@@ -62,8 +62,10 @@ _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_qkv": "self_attn.qkv_proj",
+    "attn_qkv": "self_attn.qkv_proj", "ffn_gate_inp": "mlp.gate",
 }
+# an MoE layer's experts, stacked [E, out, in] in one tensor per projection
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_ARCH_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},                              # Phi-3 keeps gate and up in one tensor
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -74,7 +76,8 @@ _GGUF_ARCH_NAMES["gemma3_text"] = _GGUF_ARCH_NAMES["gemma2"]
 _GGUF_NORM_OFFSET = {"gemma2": 1.0, "gemma3_text": 1.0}
 # Architectures read from GGUF (llama.cpp's names), and whether their q / k rows were permuted for llama.cpp's RoPE
 # (its converter does so for Llama only).
-_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma2": False, "gemma3": False}
+_GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma2": False, "gemma3": False,
+               "olmoe": False}
 _GGUF_ARCH_AS = {"gemma3": "gemma3_text"}                      # llama.cpp's name -> shared.model.registry's
 
 
@@ -168,6 +171,9 @@ def _family_fields(r, arch: str, width: int, head_dim: int, scaling: dict | None
         extra["rope_parameters"] = {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": float(_gguf_field(r, p + "rope.freq_base_swa", 10000.0))}}
         scaling = None
+    if arch == "olmoe":                      # softmax top-k, not renormalised (llama.cpp's OLMoE graph)
+        extra.update(num_experts=_gguf_field(r, p + "expert_count"),
+                     num_experts_per_tok=_gguf_field(r, p + "expert_used_count"), norm_topk_prob=False)
     return extra, scaling
 
 
@@ -185,6 +191,12 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
     try:
         for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
             parts = t.name.split(".")
+            if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
+                stacked = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)     # [E, out, in]
+                for e in range(stacked.shape[0]):
+                    yield (f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERTS[parts[2]]}.weight",
+                           torch.from_numpy(np.array(stacked[e], dtype=np.float32)))
+                continue
             if parts[0] == "blk":
                 name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
             else:

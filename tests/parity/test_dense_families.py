@@ -10,6 +10,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling_params import SamplingParams
 from shared.spec.factory import build_engine
+from shared.testing.gguf_files import write_gguf
 from shared.testing.moe_checkpoints import COMMON, hf_greedy
 
 PROMPTS = [[5, 17, 29, 3, 77, 41, 8, 60, 12, 99, 5, 17, 29], [9, 2, 64, 13]]
@@ -160,50 +161,6 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=8))
 
 
-def _to_gguf(model, arch: str, path, extra_tensors: dict | None = None) -> None:
-    """The checkpoint as llama.cpp would name it in a GGUF file (gguf's own tensor-name map), fp32, no tokenizer;
-    Gemma's norm weights with 1 added, as llama.cpp's converter writes them."""
-    import gguf
-    c = model.config
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads)
-    rope = c.rope_parameters.get("full_attention", c.rope_parameters)     # Gemma 3: per layer kind
-    w.add_rope_freq_base(rope["rope_theta"])
-    if arch == "gemma3":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_eos_token_id(c.eos_token_id)
-    if getattr(c, "sliding_window", None):
-        w.add_sliding_window(c.sliding_window)
-    if arch == "gemma2":                    # (Gemma 3 has no soft caps)
-        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
-        w.add_final_logit_softcapping(c.final_logit_softcapping)
-    for name, t in model.state_dict().items():
-        base, kind = name.rsplit(".", 1)
-        if names.get_name(base) is None:        # a tied lm_head (Gemma): the file has the embedding only
-            assert c.tie_word_embeddings, f"{base} has no GGUF name"
-            continue
-        if arch.startswith("gemma") and base.endswith("norm"):
-            t = t + 1
-        w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
-    for name, t in (extra_tensors or {}).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 GGUF_MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
                # as every Gemma 2: tied embeddings, and query_pre_attn_scalar = head dim (a GGUF file does not carry
                # it; llama.cpp takes the head dim, but for the 27B)
@@ -226,7 +183,7 @@ def test_gguf_files_match_transformers(tmp_path, family):
     with torch.no_grad():
         ref.lm_head.weight.mul_(8)
     path = tmp_path / f"{family}.gguf"
-    _to_gguf(ref, family, path)
+    write_gguf(ref, family, path)
     eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16))
     assert eng.model_cfg.architecture == {"gemma3": "gemma3_text"}.get(family, family)
     ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -245,7 +202,7 @@ def test_a_phi3_gguf_with_longrope_factors_is_refused_by_name(tmp_path):
     ref = MAKERS["phi3"]().eval()
     path = tmp_path / "phi3.gguf"
     half = ref.config.hidden_size // ref.config.num_attention_heads // 2
-    _to_gguf(ref, "phi3", path, extra_tensors={
+    write_gguf(ref, "phi3", path, extra_tensors={
         gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight": torch.ones(half).numpy()})
     with pytest.raises(ValueError, match="LongRoPE.*Hugging Face folder"):
         LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=8))

@@ -8,7 +8,8 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling_params import SamplingParams
-from shared.testing.moe_checkpoints import FAMILIES, hf_greedy, save_tiny  # noqa: F401 (save_tiny: used by others)
+from shared.testing.gguf_files import write_gguf
+from shared.testing.moe_checkpoints import PROMPTS, FAMILIES, hf_greedy, save_tiny
 
 
 def _engine(path):
@@ -44,3 +45,16 @@ def test_deepseek_v3_caches_one_latent_per_token(tmp_path):
     _, diff = _logits_diff(ref, eng)
     print(f"deepseek_v3 (yarn, no q LoRA): max |logits - transformers| = {diff:.2e}")
     assert diff < 1e-4
+
+
+def test_an_olmoe_gguf_file_matches_transformers(tmp_path):
+    """OLMoE written as llama.cpp would (64 experts stacked into one tensor per projection and layer, the router as
+    ffn_gate_inp, q/k norms over the whole projections), loaded from GGUF and run against the model it came from."""
+    ref = save_tiny(tmp_path / "hf", "olmoe")
+    path = tmp_path / "olmoe.gguf"
+    write_gguf(ref, "olmoe", path)
+    eng = _engine(path)
+    assert eng.model_cfg.architecture == "olmoe" and eng.model_cfg.extra["num_experts"] == 64
+    assert _logits_diff(ref, eng)[1] < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 16)

@@ -1,0 +1,78 @@
+"""Tiny GGUF files for tests: a transformers model written as llama.cpp's converter would write it.
+
+Tensor names come from the `gguf` package's own name map. What the converter changes is changed here too: Gemma's
+(1 + w) norm weights are stored with the 1 added, and an MoE layer's experts are stacked into one [E, I, D] tensor per
+projection (as transformers keeps them in memory, or stacked here from one tensor per expert). Weights are fp32;
+there is no tokenizer.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+_STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
+               extra_tensors: dict[str, np.ndarray] | None = None) -> None:
+    import gguf
+    c = model.config
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)     # Gemma 3: per layer kind
+    w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "gemma3":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_eos_token_id(c.eos_token_id)
+    if getattr(c, "sliding_window", None):
+        w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":                    # (Gemma 3 has no soft caps)
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if getattr(c, "num_experts", None):
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, t in model.state_dict().items():
+        base, kind = name.rsplit(".", 1)
+        m = _EXPERT.match(base)
+        if m:                               # one expert's projection: stacked below
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
+            continue
+        if base.endswith("mlp.experts"):    # transformers' own stacks: [E, 2I, D] gate then up, [E, D, I] down
+            layer = base.split(".")[2]
+            parts = t.chunk(2, dim=1) if kind == "gate_up_proj" else (t,)
+            for proj, part in zip(("gate_proj", "up_proj") if kind == "gate_up_proj" else (kind,), parts):
+                w.add_tensor(f"blk.{layer}.{_STACKED[proj]}.weight", part.float().contiguous().numpy())
+            continue
+        if names.get_name(base) is None:    # a tied lm_head (Gemma): the file has the embedding only
+            assert c.tie_word_embeddings, f"{base} has no GGUF name"
+            continue
+        if arch.startswith("gemma") and base.endswith("norm"):
+            t = t + 1
+        w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
+    for (mlp, proj), by_expert in experts.items():
+        layer = mlp.split(".")[2]
+        stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])            # [E, out, in]
+        w.add_tensor(f"blk.{layer}.{_STACKED[proj]}.weight", stacked.float().numpy())
+    for name, t in (extra_tensors or {}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
