@@ -117,6 +117,11 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
         scaling = {"rope_type": kind, "factor": _gguf_field(r, p + "rope.scaling.factor"),
                    "original_max_position_embeddings": _gguf_field(r, p + "rope.scaling.original_context_length")}
     has_output = any(t.name == "output.weight" for t in r.tensors)
+    freqs = next((t for t in r.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:                    # Llama 3.x: llama.cpp writes its scaling as per-frequency divisors
+        from gguf.quants import dequantize
+        scaling = {"rope_type": "freq_factors",
+                   "factors": dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1).tolist()}
     extra, scaling = _family_fields(r, arch, hidden // heads, head_dim, scaling)
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -191,6 +196,8 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
     try:
         for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
             parts = t.name.split(".")
+            if parts[0] == "rope_freqs":                      # read into the config's RoPE scaling
+                continue
             if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
                 stacked = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)     # [E, out, in]
                 for e in range(stacked.shape[0]):

@@ -77,6 +77,8 @@ def rope_tables(head_dim: int, base: float, max_pos: int,
             inv = _default(head_dim, base)
     elif kind == "llama3":
         inv = _llama3(inv, scaling)
+    elif kind == "freq_factors":                            # a GGUF's rope_freqs: each frequency divided by its own
+        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind == "yarn":
         inv, mscale = _yarn(head_dim, base, scaling, max_pos)
     elif kind == "longrope":

@@ -1,9 +1,10 @@
 """Tiny GGUF files for tests: a transformers model written as llama.cpp's converter would write it.
 
-Tensor names come from the `gguf` package's own name map. What the converter changes is changed here too: Gemma's
-(1 + w) norm weights are stored with the 1 added, and an MoE layer's experts are stacked into one [E, I, D] tensor per
-projection (as transformers keeps them in memory, or stacked here from one tensor per expert). Weights are fp32;
-there is no tokenizer.
+Tensor names come from the `gguf` package's own name map. What the converter changes is changed here too: Llama's
+q/k rows are permuted for llama.cpp's RoPE, Llama 3's RoPE scaling becomes a `rope_freqs` tensor of per-frequency
+divisors (taken from transformers' own llama3 frequencies), Gemma's (1 + w) norm weights are stored with the 1
+added, and an MoE layer's experts are stacked into one [E, I, D] tensor per projection (as transformers keeps them
+in memory, or stacked here from one tensor per expert). Weights are fp32; there is no tokenizer.
 """
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ import torch
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Hugging Face's rotate-half rows -> llama.cpp's interleaved pairs, per head (what its converter does)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
@@ -65,11 +71,20 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
             continue
         if arch.startswith("gemma") and base.endswith("norm"):
             t = t + 1
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            heads = c.num_attention_heads if base.endswith("q_proj") else c.num_key_value_heads
+            t = _permute(t, heads)
         w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
     for (mlp, proj), by_expert in experts.items():
         layer = mlp.split(".")[2]
         stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])            # [E, out, in]
         w.add_tensor(f"blk.{layer}.{_STACKED[proj]}.weight", stacked.float().numpy())
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        dim = c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads
+        plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
+        w.add_tensor("rope_freqs.weight", (plain / scaled).float().numpy())
     for name, t in (extra_tensors or {}).items():
         w.add_tensor(name, t)
     w.write_header_to_file()

@@ -55,6 +55,14 @@ def _gemma3(local_theta: float = 100.0, **kw):
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}))
 
 
+def _llama3():
+    """Llama 3.x: its RoPE scaling (low / high frequency factors over an original window of 32 tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=96, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 500000.0}))
+
+
 def _mistral(window: int | None):
     from transformers import MistralConfig, MistralForCausalLM
     return MistralForCausalLM(MistralConfig(**COMMON, intermediate_size=96, sliding_window=window))
@@ -69,8 +77,8 @@ def _save(make, path):
     return model
 
 
-MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "phi3_longrope": lambda: _phi3(None, True),
-          "gemma2": _gemma2, "gemma3": _gemma3}
+MAKERS = {"llama3": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
+          "phi3_longrope": lambda: _phi3(None, True), "gemma2": _gemma2, "gemma3": _gemma3}
 
 
 @pytest.mark.parametrize("family", list(MAKERS))
@@ -161,7 +169,7 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=8))
 
 
-GGUF_MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
+GGUF_MAKERS = {"llama": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
                # as every Gemma 2: tied embeddings, and query_pre_attn_scalar = head dim (a GGUF file does not carry
                # it; llama.cpp takes the head dim, but for the 27B)
                "gemma2": lambda: _gemma2(query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True),
@@ -172,7 +180,8 @@ GGUF_MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
 
 @pytest.mark.parametrize("family", list(GGUF_MAKERS))
 def test_gguf_files_match_transformers(tmp_path, family):
-    """Qwen2 (q/k/v biases), Qwen3 (q/k norms, its own head_dim), Phi-3 (fused qkv and gate-up, a 16-token window
+    """Llama 3 (q/k rows permuted for llama.cpp, its RoPE scaling as a rope_freqs tensor), Qwen2 (q/k/v biases),
+    Qwen3 (q/k norms, its own head_dim), Phi-3 (fused qkv and gate-up, a 16-token window
     on every layer) and Gemma 2 (norms stored as 1 + w, four a layer, alternating 12-token windows, soft caps)
     and Gemma 3 (its q/k norms stored as 1 + w too, every 6th layer global with linear RoPE scaling, the local
     layers on their own base) written as GGUF with gguf's tensor names (q/k rows unpermuted, as llama.cpp's
