@@ -8,7 +8,8 @@ token of a prompt of --prompt-tokens tokens
   - on an engine without a store (recompute),
   - on an engine with the store, whose blocks are not there yet (recompute + background writes),
   - on a fresh engine whose prompt blocks another engine wrote to the store (read them, compute the last partial
-    block), each with its own cache salt per repetition so nothing is reused from the local cache.
+    block), each with its own cache salt per repetition so nothing is reused from the local cache,
+  - on an engine started after another wrote the prompt's blocks to the same disk directory (a restart).
 Part 2, through running stacks (`upesi serve`): the same concurrent load of long, distinct prompts on two aggregated
 targets and on one prefill target + one decode target (--prefill-replicas 1), each target on --stack-threads
 threads, time to first token and tokens/s.
@@ -16,7 +17,7 @@ threads, time to first token and tokens/s.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,16 @@ def in_process(a: argparse.Namespace, url: str) -> dict:
         writer.kv_store.flush()
         rows["store, hit"].append(ttft(reader, ids, f"hit-{rep}"))
         reader.kv_store.flush()
+    disk = tempfile.mkdtemp(prefix="upesi-bench-kv-disk-")
+    rows["disk, hit after a restart"] = []
+    for rep in range(a.reps):                            # an engine writes to disk, a new one (a restart) reads
+        first = LLMEngine(EngineConfig(**cfg, kv_disk_dir=disk))
+        ttft(first, ids, f"disk-{rep}")
+        first.close()
+        again = LLMEngine(EngineConfig(**cfg, kv_disk_dir=disk))
+        rows["disk, hit after a restart"].append(ttft(again, ids, f"disk-{rep}"))
+        again.close()
+    shutil.rmtree(disk, ignore_errors=True)
     from shared.kv.block_codec import BlockData, encode
     layout = reader.kv_store.layout
     value = encode(0, layout, BlockData(torch.zeros(layout.kv_shape, dtype=layout.dtype)))
@@ -117,8 +128,8 @@ def main() -> None:
         print(f"\nTime to first token of a {a.prompt_tokens}-token prompt, in process ({r['dtype']}), median of "
               f"{a.reps}:")
         base = r["no store"]
-        for k in ("no store", "store, miss", "store, hit"):
-            print(f"  {k:12s} {r[k] * 1000:9.1f} ms   {r[k] / base:5.2f}x")
+        for k in ("no store", "store, miss", "store, hit", "disk, hit after a restart"):
+            print(f"  {k:26s} {r[k] * 1000:9.1f} ms   {r[k] / base:5.2f}x")
         print(f"  store bytes per token: {r['bytes_per_token']:.0f}")
         if not a.skip_pd:
             s = stacks(a, server.url)

@@ -42,6 +42,9 @@ class ServeConfig:
     kv_store_gb: float = options.kv_store_gb()
     kv_store_ttl_s: float = options.kv_store_ttl_s()
     kv_host_gb: float = options.kv_host_gb()
+    kv_disk_dir: str | None = option(None, "local-disk tier of the KV block store: a directory; target replica i "
+                                           "writes its blocks under DIR/target-i (default: none)")
+    kv_disk_gb: float = options.kv_disk_gb()
     prefill_replicas: int = option(0, "prefill-only targets (prefill/decode disaggregation; needs --kv-store): the "
                                       "router has each prompt computed on one of them, which writes its KV blocks "
                                       "to the store, and a decode target reads them there. They listen on the "
@@ -102,7 +105,7 @@ class ServeConfig:
             raise ValueError(f"draft_num_threads must be at least 1, got {self.draft_num_threads}")
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
-        check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb)
+        check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
         if self.prefill_replicas < 0:
             raise ValueError(f"prefill_replicas must be >= 0, got {self.prefill_replicas}")
         if self.prefill_replicas and not self.kv_store:
@@ -129,10 +132,11 @@ class ServeConfig:
         first = int(port) + self.target_replicas + self.expert_shards
         return [f"{host}:{first + i}" for i in range(self.prefill_replicas)]
 
-    def kv_store_args(self) -> list[str]:
-        if not self.kv_store and not self.kv_host_gb:
-            return []
-        out = ["--kv-host-gb", str(self.kv_host_gb)]
+    def kv_store_args(self, name: str) -> list[str]:
+        """The block store flags of one target (`name`: its own sub-directory of the disk tier)."""
+        out = ["--kv-host-gb", str(self.kv_host_gb)] if self.kv_host_gb else []
+        if self.kv_disk_dir:
+            out += ["--kv-disk-dir", os.path.join(self.kv_disk_dir, name), "--kv-disk-gb", str(self.kv_disk_gb)]
         if self.kv_store:
             out += ["--kv-store", self.kv_store, "--kv-store-gb", str(self.kv_store_gb),
                     "--kv-store-ttl-s", str(self.kv_store_ttl_s)]
@@ -305,7 +309,7 @@ def main(args: argparse.Namespace) -> None:
                 "target", "--address", address, "--replica-id", address,
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *threads, *registry, *experts, *spec, *quant, *cfg.kv_store_args(),
+                *model, *threads, *registry, *experts, *spec, *quant, *cfg.kv_store_args(f"target-{i}"),
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         for i, address in enumerate(cfg.prefill_addresses()):
@@ -315,7 +319,8 @@ def main(args: argparse.Namespace) -> None:
                 "target", "--address", address, "--replica-id", address, "--kv-store-sync",
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *threads, *experts, *quant, *cfg.kv_store_args(), *_tls_args(cfg, client=True)])
+                *model, *threads, *experts, *quant, *cfg.kv_store_args(f"prefill-{i}"),
+                *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),

@@ -81,6 +81,15 @@ def kv_store_ttl_s() -> Any:
     return option(3600.0, "time to live of a block in the KV block store, in seconds, renewed when it is read")
 
 
+def kv_disk_dir() -> Any:
+    return option(None, "local-disk tier of the KV block store: a directory where every full block is written (in "
+                        "the background) and read back on a prefix-cache miss, also after a restart (default: none)")
+
+
+def kv_disk_gb() -> Any:
+    return option(10.0, "size budget of the disk tier in GiB; past it the least recently used blocks go")
+
+
 def kv_store_sync() -> Any:
     return option(False, "wait after each step until its KV blocks are in the store (the prefill targets of "
                          "prefill/decode disaggregation: the decode target reads them next)")

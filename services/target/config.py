@@ -47,6 +47,8 @@ class TargetConfig(options.TLS):
     kv_store_ttl_s: float = options.kv_store_ttl_s()
     kv_store_sync: bool = options.kv_store_sync()
     kv_host_gb: float = options.kv_host_gb()
+    kv_disk_dir: str | None = options.kv_disk_dir()
+    kv_disk_gb: float = options.kv_disk_gb()
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = options.num_speculative_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
@@ -76,7 +78,7 @@ class TargetConfig(options.TLS):
         check_tree_ngram(self.draft_tree_ngram)
         check_speculative_max_seqs(self.speculative_max_seqs)
         check_wide_threads(self.wide_threads)
-        check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb)
+        check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:

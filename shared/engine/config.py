@@ -31,6 +31,8 @@ class EngineConfig:
     kv_store_ttl_s: float = 3600.0        # each block's time to live there, renewed when read
     kv_store_sync: bool = False           # each step waits until its blocks are written (prefill-only targets)
     kv_host_gb: float = 0.0               # host-memory tier for blocks the KV cache evicts (0 = off)
+    kv_disk_dir: str | None = None        # local-disk tier: a directory for every filled block (None = off)
+    kv_disk_gb: float = 10.0              # its size budget (least recently used blocks go first)
     speculative: str | None = None        # proposer: "ngram" or "draft-model:PATH" (None = no speculation)
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
     adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
@@ -49,7 +51,7 @@ class EngineConfig:
         check_wide_threads(self.wide_threads)
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
-        check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb)
+        check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
@@ -82,7 +84,7 @@ def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES, what: str = "dtype
         raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {name!r}")
 
 
-def check_kv_store(url: str | None, budget_gb: float, ttl_s: float, host_gb: float) -> None:
+def check_kv_store(url: str | None, budget_gb: float, ttl_s: float, host_gb: float, disk_gb: float = 10.0) -> None:
     """The one check of the block store settings (engine, target and serve configs)."""
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"kv_store must be a redis:// URL (redis://host:port/db), got {url!r}")
@@ -90,6 +92,8 @@ def check_kv_store(url: str | None, budget_gb: float, ttl_s: float, host_gb: flo
         raise ValueError(f"kv_store_gb and kv_store_ttl_s must be positive, got {budget_gb} and {ttl_s}")
     if host_gb < 0:
         raise ValueError(f"kv_host_gb must be >= 0 (0 = off), got {host_gb}")
+    if disk_gb <= 0:
+        raise ValueError(f"kv_disk_gb must be positive, got {disk_gb}")
 
 
 def check_tree_ngram(value: int | None) -> None:

@@ -69,13 +69,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
         self.kv_store = None
-        if cfg.kv_store or cfg.kv_host_gb > 0:
+        if cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir:
             kvh, dh, shared = kv_cache_layout(model, self.model_cfg)
             layout = BlockLayout(model_fingerprint(model, repr(self.model_cfg), dtype), dtype,
                                  self.model_cfg.num_layers, cfg.block_size, kvh, dh, shared,
                                  self.model_cfg.hidden_size)
             self.kv_store = open_block_store(layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
-                                             cfg.kv_host_gb)
+                                             cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb)
         if self.kv_store is not None:
             self.block_manager.source = self.kv_store
             self.block_manager.track_evictions = self.kv_store.wants_evictions

@@ -1,10 +1,11 @@
 """The KV block store: full blocks kept beyond the paged cache, found again by their chain hash.
 
     engine (one thread)                               tiers
-    commit of a full block  -> write(...)  -> queue -> writer thread -> Redis   (encode, pipelined, budget, TTL)
+    commit of a full block  -> write(...)  -> queue -> writer thread -> local disk (files, LRU budget)
+                                                                     -> Redis   (encode, pipelined, budget, TTL)
     eviction from the cache -> evicted(...) ------------------------------> host memory (LRU, no encoding)
-    prefix-cache miss       -> lookup(hashes) <- host first, then Redis, only while reading is cheaper than
-                                                 computing (shared.kv.transfer_cost)
+    prefix-cache miss       -> lookup(hashes) <- host first, then disk, then Redis, the last only while reading
+                                                 is cheaper than computing (shared.kv.transfer_cost)
 
 The block hash already names the model and the request's cache salt (shared.kv.hashing), so tenants never share a
 block; each value also carries the model fingerprint, dtype, layout and a checksum (shared.kv.block_codec), and a
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 
 from shared import metrics
 from shared.kv.block_codec import BlockData, BlockLayout, InvalidBlock, decode, encode
+from shared.kv.disk_tier import DiskTier
 from shared.kv.hashing import BlockHash
 from shared.kv.host_tier import HostTier
 from shared.kv.redis_tier import RedisTier
@@ -37,25 +39,26 @@ WRITER_NICE = 10              # the writer thread's nice value: encoding and sen
 
 class KVBlockStore:
     def __init__(self, layout: BlockLayout, *, host_bytes: int = 0, remote: RedisTier | None = None,
-                 max_pending_bytes: int = 256 << 20) -> None:
+                 disk: DiskTier | None = None, max_pending_bytes: int = 256 << 20) -> None:
         self.layout = layout
         self.tag = layout.key_tag()
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.remote = remote
+        self.disk = disk
         self.cost = TransferCost(layout.kv_bytes, layout.block_size)
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
-        self._known: OrderedDict[BlockHash, None] = OrderedDict()    # in Redis as far as this process knows
+        self._known: OrderedDict[BlockHash, None] = OrderedDict()    # written (or read) as far as this process knows
         self._queue: queue.Queue[list[tuple[BlockHash, BlockData]] | threading.Event | None] = queue.Queue()
         self._writer: threading.Thread | None = None
-        if remote is not None:
+        if remote is not None or disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
             self._writer.start()
 
     @property
     def wants_commits(self) -> bool:
-        return self.remote is not None
+        return self.remote is not None or self.disk is not None
 
     @property
     def wants_evictions(self) -> bool:
@@ -74,6 +77,8 @@ class KVBlockStore:
             if out:
                 metrics.KV_STORE_HITS.labels("host").inc(len(out))
                 metrics.KV_STORE_BYTES.labels("read").inc(sum(b.nbytes for b in out))
+        if self.disk is not None and len(out) < len(hashes):
+            out += self._read_disk(hashes[len(out):])
         rest = hashes[len(out):]
         if rest and self.remote is not None:
             if not self.cost.worth_reading(len(rest)):
@@ -82,6 +87,26 @@ class KVBlockStore:
             out += self._read_remote(rest)
         if len(out) < len(hashes):
             metrics.KV_STORE_MISSES.inc(len(hashes) - len(out))
+        return out
+
+    def _read_disk(self, hashes: Sequence[BlockHash]) -> list[BlockData]:
+        out, size = [], 0
+        for h in hashes:
+            value = self.disk.get(h)
+            if value is None:
+                break
+            try:
+                out.append(decode(h, self.layout, value))
+            except InvalidBlock as e:
+                metrics.KV_STORE_INVALID.inc()
+                log.warning("KV block file %s not used: %s", self.disk.path(h), e)
+                self.disk.drop(h)
+                break
+            size += len(value)
+            self._remember(h)
+        if out:
+            metrics.KV_STORE_HITS.labels("disk").inc(len(out))
+            metrics.KV_STORE_BYTES.labels("read").inc(size)
         return out
 
     def _read_remote(self, hashes: Sequence[BlockHash]) -> list[BlockData]:
@@ -113,8 +138,8 @@ class KVBlockStore:
                 self.host.put(h, block)
 
     def committed(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
-        """Newly filled blocks: queued for Redis (unless known to be there already)."""
-        if self.remote is None:
+        """Newly filled blocks: queued for the disk and Redis tiers (unless known to be there already)."""
+        if not self.wants_commits:
             return
         new = [(h, b) for h, b in items if h not in self._known]
         if not new:
@@ -142,7 +167,8 @@ class KVBlockStore:
             self._queue.put(None)
             self._writer.join(timeout=30)
             self._writer = None
-            self.remote.close()
+            if self.remote is not None:
+                self.remote.close()
 
     def _remember(self, h: BlockHash) -> None:
         self._known[h] = None
@@ -166,6 +192,12 @@ class KVBlockStore:
             try:
                 for start in range(0, len(items), WRITE_BATCH):
                     batch = [(h, encode(h, self.layout, b)) for h, b in items[start:start + WRITE_BATCH]]
+                    if self.disk is not None:
+                        for h, v in batch:
+                            self.disk.put(h, v)
+                        metrics.KV_STORE_BYTES.labels("write").inc(sum(len(v) for _, v in batch))
+                    if self.remote is None:
+                        continue
                     t0 = time.perf_counter()
                     if self.remote.put(self.tag, batch):
                         metrics.KV_STORE_WRITE_SECONDS.observe(time.perf_counter() - t0)
@@ -180,10 +212,12 @@ class KVBlockStore:
                     self._pending_bytes -= size
 
 
-def open_block_store(layout: BlockLayout, url: str | None, budget_gb: float, ttl_s: float,
-                     host_gb: float) -> KVBlockStore | None:
-    """The store the settings ask for: a Redis tier when `url` is set, a host tier when host_gb > 0, else None."""
-    if not url and host_gb <= 0:
+def open_block_store(layout: BlockLayout, url: str | None, budget_gb: float, ttl_s: float, host_gb: float,
+                     disk_dir: str | None = None, disk_gb: float = 10.0) -> KVBlockStore | None:
+    """The store the settings ask for: a Redis tier when `url` is set, a host tier when host_gb > 0, a disk tier
+    when disk_dir is set; None when none is."""
+    if not url and host_gb <= 0 and not disk_dir:
         return None
     remote = RedisTier(url, budget_bytes=int(budget_gb * 2**30), ttl_s=ttl_s) if url else None
-    return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote)
+    disk = DiskTier(disk_dir, int(disk_gb * 2**30), layout.key_tag()) if disk_dir else None
+    return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote, disk=disk)

@@ -179,3 +179,44 @@ def test_host_tier_brings_back_evicted_blocks(tiny_llama_dir):
     assert cached == (len(ids) - 1) // BS * BS
     assert metrics.KV_STORE_HITS.labels("host")._value.get() - hits >= 5     # its tail came back from the host
     assert eng.block_manager.num_used_blocks == 0
+
+
+def test_the_disk_tier_survives_a_restart_and_refuses_a_damaged_file(tiny_llama_dir, tmp_path):
+    ids = prompt(8)
+    disk = tmp_path / "kv"
+    a = make(tiny_llama_dir, kv_disk_dir=str(disk))
+    expect, _ = run(a, ids)
+    a.close()                                       # a restart: the writer finishes, the process state is gone
+    files = sorted(disk.glob("*.kv"))
+    assert len(files) == (len(ids) + len(expect) - 1) // BS
+    hits = metrics.KV_STORE_HITS.labels("disk")._value.get()
+    b = make(tiny_llama_dir, kv_disk_dir=str(disk))
+    got, cached = run(b, ids)
+    assert got == expect and cached == (len(ids) - 1) // BS * BS
+    assert metrics.KV_STORE_HITS.labels("disk")._value.get() - hits == cached // BS
+    b.close()
+    damaged = b.kv_store.disk.path(hash_chain(ids, BS, cache_extra(b.model_cfg.name))[2])
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0x01
+    damaged.write_bytes(bytes(raw))
+    c = make(tiny_llama_dir, kv_disk_dir=str(disk))
+    got, cached = run(c, ids)
+    assert got == expect and cached == 2 * BS       # the damaged third block and what follows are computed
+    assert not damaged.exists() or damaged.read_bytes() != bytes(raw)   # dropped, or written again correctly
+    c.close()
+
+
+def test_the_disk_tier_keeps_to_its_budget(tiny_llama_dir, tmp_path):
+    from shared.kv.block_codec import BlockData, encode
+    probe = make(tiny_llama_dir, kv_disk_dir=str(tmp_path / "probe"))
+    layout = probe.kv_store.layout
+    probe.close()
+    size = len(encode(0, layout, BlockData(torch.zeros(layout.kv_shape, dtype=layout.dtype))))
+    disk = tmp_path / "kv"
+    eng = make(tiny_llama_dir, kv_disk_dir=str(disk), kv_disk_gb=3.5 * size / 2**30)   # room for 3 blocks
+    ids = prompt(9)
+    run(eng, ids, tokens=1)
+    eng.close()
+    newest = hash_chain(ids, BS, cache_extra(eng.model_cfg.name))[-3:]                 # written last: kept
+    assert sorted(disk.glob("*.kv")) == sorted(eng.kv_store.disk.path(h) for h in newest)
+    assert eng.kv_store.disk.used_bytes == 3 * size
