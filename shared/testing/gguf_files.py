@@ -4,17 +4,15 @@ Tensor names come from the `gguf` package's own name map. What the converter cha
 q/k rows are permuted for llama.cpp's RoPE, Llama 3's RoPE scaling becomes a `rope_freqs` tensor of per-frequency
 divisors (taken from transformers' own llama3 frequencies), Gemma's (1 + w) norm weights are stored with the 1
 added, and an MoE layer's experts are stacked into one [E, I, D] tensor per projection (as transformers keeps them
-in memory, or stacked here from one tensor per expert). Weights are fp32; there is no tokenizer.
+in memory). Weights are fp32; there is no tokenizer.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
@@ -53,13 +51,8 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
     if getattr(c, "num_experts", None):
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for name, t in model.state_dict().items():
         base, kind = name.rsplit(".", 1)
-        m = _EXPERT.match(base)
-        if m:                               # one expert's projection: stacked below
-            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
-            continue
         if base.endswith("mlp.experts"):    # transformers' own stacks: [E, 2I, D] gate then up, [E, D, I] down
             layer = base.split(".")[2]
             parts = t.chunk(2, dim=1) if kind == "gate_up_proj" else (t,)
@@ -75,10 +68,6 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
             heads = c.num_attention_heads if base.endswith("q_proj") else c.num_key_value_heads
             t = _permute(t, heads)
         w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
-    for (mlp, proj), by_expert in experts.items():
-        layer = mlp.split(".")[2]
-        stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])            # [E, out, in]
-        w.add_tensor(f"blk.{layer}.{_STACKED[proj]}.weight", stacked.float().numpy())
     if arch == "llama" and rope.get("rope_type") == "llama3":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         dim = c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads

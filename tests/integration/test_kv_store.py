@@ -107,10 +107,11 @@ def test_tenants_never_read_each_others_blocks(tiny_llama_dir, redis_url):
     a.kv_store.flush()
     b = make(tiny_llama_dir, redis_url)
     _, other = run(b, ids, salt="tenant-2")
-    _, same = run(make(tiny_llama_dir, redis_url), ids, salt="tenant-1")
+    c = make(tiny_llama_dir, redis_url)
+    _, same = run(c, ids, salt="tenant-1")
     assert other == 0 and same > 0
-    a.close()
-    b.close()
+    for e in (a, b, c):
+        e.close()
 
 
 def test_a_corrupted_entry_is_a_miss(tiny_llama_dir, redis_url):
