@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The KV block store: time to first token from the store against recomputing, and P/D against aggregated targets.
 
-    .venv/bin/python bench/bench_kv_store.py [--prompt-tokens 2000] [--reps 3] [--skip-pd]
+    .venv/bin/python bench/bench_kv_store.py [--prompt-tokens 2000] [--reps 3] [--skip-pd | --only-pd]
 
 Starts its own redis-server on a free port. Part 1, in process, the default model and dtype: the time to the first
 token of a prompt of --prompt-tokens tokens
@@ -11,8 +11,9 @@ token of a prompt of --prompt-tokens tokens
     block), each with its own cache salt per repetition so nothing is reused from the local cache,
   - on an engine started after another wrote the prompt's blocks to the same disk directory (a restart).
 Part 2, through running stacks (`upesi serve`): the same concurrent load of long, distinct prompts on two aggregated
-targets and on one prefill target + one decode target (--prefill-replicas 1), each target on --stack-threads
-threads, time to first token and tokens/s.
+targets and on one prefill target + one decode target (--prefill-replicas 1), the blocks handed over through the
+Redis store (--kv-transfer store) or sent over gRPC to the decode target's host tier (--kv-transfer direct), each
+target on --stack-threads threads, time to first token and tokens/s.
 """
 from __future__ import annotations
 
@@ -94,7 +95,9 @@ def stacks(a: argparse.Namespace, url: str) -> dict:
     prompts = long_prompts(a.concurrency, a.pd_words)
     out = {}
     for name, args in (("aggregated, 2 targets", ["--target-replicas", "2"]),
-                       ("P/D, 1 prefill + 1 decode", ["--prefill-replicas", "1", "--kv-store", url])):
+                       ("P/D through the store",
+                        ["--prefill-replicas", "1", "--kv-transfer", "store", "--kv-store", url]),
+                       ("P/D, direct (gRPC)", ["--prefill-replicas", "1", "--kv-transfer", "direct"])):
         stack = ServeStack(["--dtype", a.dtype, "--num-threads", str(a.stack_threads), *args])
         try:
             stack.run(["Hello there."], 8, 0)                                           # warm-up
@@ -113,6 +116,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-pd", action="store_true", help="only the in-process part")
+    ap.add_argument("--only-pd", action="store_true", help="only the stacks (P/D) part")
     ap.add_argument("--concurrency", type=int, default=4, help="P/D part: requests at once")
     ap.add_argument("--pd-words", type=int, default=600, help="P/D part: words per prompt")
     ap.add_argument("--pd-tokens", type=int, default=64, help="P/D part: tokens generated per request")
@@ -124,13 +128,14 @@ def main() -> None:
     server = RedisServer(Path(tempfile.mkdtemp(prefix="upesi-bench-kv-"))).start()
     try:
         print(f"{cpu_name()}; redis-server on {server.url}", flush=True)
-        r = in_process(a, server.url)
-        print(f"\nTime to first token of a {a.prompt_tokens}-token prompt, in process ({r['dtype']}), median of "
-              f"{a.reps}:")
-        base = r["no store"]
-        for k in ("no store", "store, miss", "store, hit", "disk, hit after a restart"):
-            print(f"  {k:26s} {r[k] * 1000:9.1f} ms   {r[k] / base:5.2f}x")
-        print(f"  store bytes per token: {r['bytes_per_token']:.0f}")
+        if not a.only_pd:
+            r = in_process(a, server.url)
+            print(f"\nTime to first token of a {a.prompt_tokens}-token prompt, in process ({r['dtype']}), median "
+                  f"of {a.reps}:")
+            base = r["no store"]
+            for k in ("no store", "store, miss", "store, hit", "disk, hit after a restart"):
+                print(f"  {k:26s} {r[k] * 1000:9.1f} ms   {r[k] / base:5.2f}x")
+            print(f"  store bytes per token: {r['bytes_per_token']:.0f}")
         if not a.skip_pd:
             s = stacks(a, server.url)
             print(f"\n{a.concurrency} concurrent requests of ~{a.pd_words} words, {a.pd_tokens} tokens each, "

@@ -6,7 +6,7 @@ and splits the mean step into: scheduling and input preparation, each kind of mo
 attention block's projections, RoPE + KV store + attention, the MLP, the LM head), sampling and the rest of the
 engine's bookkeeping. Modules are timed by wrapping their forward with a clock (about a microsecond each), so the
 parts add up to slightly more than an untimed step, printed beside them. Through the running stack the same step
-is `upesi_step_seconds` on the target's /metrics; bench/bench_peers.py gives the tokens/s the client sees.
+is `upesi_engine_step_seconds` on the target's /metrics; bench/bench_peers.py gives the tokens/s the client sees.
 
     .venv/bin/python bench/bench_step.py [--batch 1 4 32] [--dtype auto] [--steps 50] [--threads 2]
         [--speculative eagle:models/eagle-smollm2-135m --tree-nodes 8]

@@ -24,6 +24,7 @@ from shared.engine.config import (
 )
 from shared.rpc import internal_token
 
+DIRECT_HOST_GB = 1.0          # a decode target's host tier for P/D with direct transfer, unless --kv-host-gb is set
 
 @dataclass(slots=True)
 class ServeConfig:
@@ -45,10 +46,10 @@ class ServeConfig:
     kv_disk_dir: str | None = option(None, "local-disk tier of the KV block store: a directory; target replica i "
                                            "writes its blocks under DIR/target-i (default: none)")
     kv_disk_gb: float = options.kv_disk_gb()
-    prefill_replicas: int = option(0, "prefill-only targets (prefill/decode disaggregation; needs --kv-store): the "
-                                      "router has each prompt computed on one of them, which writes its KV blocks "
-                                      "to the store, and a decode target reads them there. They listen on the "
-                                      "ports after the expert shards'")
+    prefill_replicas: int = option(0, "prefill-only targets (prefill/decode disaggregation): the router has each "
+                                      "prompt computed on one of them, which hands its KV blocks to the decode "
+                                      "target (--kv-transfer). They listen on the ports after the expert shards'")
+    kv_transfer: str = options.kv_transfer()
     max_num_seqs: int = option(64, "target: most sequences in the running batch")
     num_threads: int | None = option(None, "target: torch CPU threads")
     wide_threads: int | None = option(None, "target: torch CPU threads of forward steps over 4 or more rows "
@@ -108,9 +109,11 @@ class ServeConfig:
         check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
         if self.prefill_replicas < 0:
             raise ValueError(f"prefill_replicas must be >= 0, got {self.prefill_replicas}")
-        if self.prefill_replicas and not self.kv_store:
-            raise ValueError("--prefill-replicas hands KV blocks to the decode targets through the KV store: give "
-                             "--kv-store redis://host:port/db too (a redis-server it may use)")
+        options.check_kv_transfer(self.kv_transfer)
+        if self.prefill_replicas and self.kv_transfer == "store" and not self.kv_store:
+            raise ValueError("--prefill-replicas with --kv-transfer store hands KV blocks to the decode targets "
+                             "through the KV store: give --kv-store redis://host:port/db too (a redis-server it may "
+                             "use), or --kv-transfer direct")
         if self.expert_shards < 0:
             raise ValueError(f"expert_shards must be >= 0, got {self.expert_shards}")
         if self.speculative and self.draft:
@@ -132,9 +135,14 @@ class ServeConfig:
         first = int(port) + self.target_replicas + self.expert_shards
         return [f"{host}:{first + i}" for i in range(self.prefill_replicas)]
 
-    def kv_store_args(self, name: str) -> list[str]:
-        """The block store flags of one target (`name`: its own sub-directory of the disk tier)."""
-        out = ["--kv-host-gb", str(self.kv_host_gb)] if self.kv_host_gb else []
+    def kv_store_args(self, name: str, decode: bool = False) -> list[str]:
+        """The block store flags of one target (`name`: its own sub-directory of the disk tier). A decode target
+        of P/D with direct transfer keeps a host tier where prefill targets put the blocks (DIRECT_HOST_GB unless
+        --kv-host-gb says otherwise)."""
+        host = self.kv_host_gb
+        if decode and self.prefill_replicas and self.kv_transfer == "direct":
+            host = host or DIRECT_HOST_GB
+        out = ["--kv-host-gb", str(host)] if host else []
         if self.kv_disk_dir:
             out += ["--kv-disk-dir", os.path.join(self.kv_disk_dir, name), "--kv-disk-gb", str(self.kv_disk_gb)]
         if self.kv_store:
@@ -309,23 +317,26 @@ def main(args: argparse.Namespace) -> None:
                 "target", "--address", address, "--replica-id", address,
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *threads, *registry, *experts, *spec, *quant, *cfg.kv_store_args(f"target-{i}"),
+                *model, *threads, *registry, *experts, *spec, *quant, *cfg.kv_store_args(f"target-{i}", decode=True),
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         for i, address in enumerate(cfg.prefill_addresses()):
             j = cfg.target_replicas + i
             metrics_port = cfg.target_metrics_port + j if cfg.target_metrics_port else 0
             restartable[len(procs)] = (f"prefill target {i}", address, [
-                "target", "--address", address, "--replica-id", address, "--kv-store-sync",
+                "target", "--address", address, "--replica-id", address,
+                *(["--kv-store-sync"] if cfg.kv_transfer == "store" else []),
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
                 *model, *threads, *experts, *quant, *cfg.kv_store_args(f"prefill-{i}"),
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
+        for address in cfg.prefill_addresses():      # the router uses a prefill target once it answers
+            _wait_healthy(address, procs, cfg.ready_timeout_s, _client_tls(cfg))
         procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
                              "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
-                             *(["--prefill-target", ",".join(cfg.prefill_addresses())]
-                               if cfg.prefill_replicas else []),
+                             *(["--prefill-target", ",".join(cfg.prefill_addresses()),
+                                "--kv-transfer", cfg.kv_transfer] if cfg.prefill_replicas else []),
                              *(["--draft", cfg.draft_address, "--speculative-max-requests",
                                 str(cfg.speculative_max_requests)] if cfg.draft else []),
                              *model, *registry, *_tls_args(cfg, client=True),

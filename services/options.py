@@ -100,6 +100,22 @@ def kv_host_gb() -> Any:
                        "miss (0 = off)")
 
 
+KV_TRANSFERS = ("store", "direct")
+
+
+def kv_transfer() -> Any:
+    return option("direct", "how prefill targets hand KV blocks to decode targets (prefill/decode disaggregation): "
+                            "'direct' (they send them over gRPC to the host tier of the decode target the router "
+                            "chose, which needs --kv-host-gb; `upesi serve` gives it one) or 'store' (they write "
+                            "them to the shared KV store, --kv-store, and the decode target reads them there). "
+                            "Direct moves each block once and needs no store (docs/kv-store.md)")
+
+
+def check_kv_transfer(mode: str) -> None:
+    if mode not in KV_TRANSFERS:
+        raise ValueError(f"kv_transfer must be one of {', '.join(KV_TRANSFERS)}, got {mode!r}")
+
+
 # ---------------------------------------------------------------- TLS
 @dataclass(slots=True)
 class ServerTLS:

@@ -36,6 +36,11 @@ class NotRunning(LookupError):
     """A request id this service does not run (an attach to a request that ended or never began); NOT_FOUND."""
 
 
+class NotConfigured(RuntimeError):
+    """A call this service is not set up for (blocks sent to a target that keeps no host tier);
+    FAILED_PRECONDITION."""
+
+
 class Forbidden(PermissionError):
     """A request this service may not carry out for the caller (a target outside the draft's allow-list);
     PERMISSION_DENIED."""

@@ -31,7 +31,8 @@ KV_STORE_SKIPPED = Counter("upesi_kv_store_skipped_total",
 KV_STORE_INVALID = Counter("upesi_kv_store_invalid_total",
                            "Block store values refused (another model, dtype or layout, truncated, corrupted)")
 KV_STORE_DROPPED = Counter("upesi_kv_store_dropped_total", "KV block writes dropped because the writer fell behind")
-KV_STORE_BYTES = Counter("upesi_kv_store_bytes_total", "Bytes moved to and from the block store", ["direction"])
+KV_STORE_BYTES = Counter("upesi_kv_store_bytes_total", "KV block bytes: read from and written to the block store "
+                         "(read, write), sent to and received from other targets (sent, received)", ["direction"])
 KV_STORE_READ_SECONDS = Histogram("upesi_kv_store_read_seconds", "Time of one block store read (a prefix's blocks)",
                                   buckets=_TRANSFER)
 KV_STORE_WRITE_SECONDS = Histogram("upesi_kv_store_write_seconds", "Time of one block store write (a batch)",

@@ -24,9 +24,10 @@ class RouterConfig(options.TLS):
                                               "verification rows cost more than speculation saves); 0 = always")
     prefill_target: str | None = option(None, "prefill-only target addresses, comma-separated (prefill/decode "
                                               "disaggregation): a prompt of at least one full KV block is first "
-                                              "computed on one of them, which writes its blocks to the shared KV "
-                                              "store; the --target replica then reads them and decodes (default: "
-                                              "none, every target prefills its own requests)")
+                                              "computed on one of them, which hands its blocks over (see "
+                                              "--kv-transfer); the --target replica then decodes (default: none, "
+                                              "every target prefills its own requests)")
+    kv_transfer: str = options.kv_transfer()
     registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (default: load only)")
     model: str | None = option(None, "model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)")
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (/v1/models, the `model` of "
@@ -63,6 +64,7 @@ class RouterConfig(options.TLS):
             raise ValueError("max_concurrent_requests, max_n and http_max_connections must be positive")
         if self.speculative_max_requests < 0:
             raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
+        options.check_kv_transfer(self.kv_transfer)
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
         if self.max_request_bytes < 1024 or self.max_prompt_chars < 0:

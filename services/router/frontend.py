@@ -188,10 +188,11 @@ class Frontend:
         restarting, draining) is marked down and the next is tried, so a lost replica costs only the requests
         that were running on it."""
         metrics.PROMPT_TOKENS.inc(len(ids))
-        await self._prefill(ids, params, deadline)
         tried: list[TargetClient] = []
         while True:
             target = await self.choose_target(ids, params.cache_salt, tried)
+            if not tried:                                 # P/D: the prompt's KV first (for the chosen target)
+                await self._prefill(ids, params, deadline, target)
             tried.append(target)
             answered = False
             left = max(0.001, deadline - time.monotonic())
@@ -206,11 +207,12 @@ class Frontend:
                     raise
                 log.warning("%s; trying another replica", e)
 
-    async def _prefill(self, ids: list[int], params: SamplingParams, deadline: float) -> None:
-        """P/D disaggregation: the prompt's KV is computed on the least busy prefill target, which writes its full
-        blocks to the shared KV store before it answers; the decode target then reads them there on its prefix-cache
-        miss. Skipped for prompts under one block. A prefill target that fails costs nothing but time: the decode
-        target computes what it cannot read."""
+    async def _prefill(self, ids: list[int], params: SamplingParams, deadline: float, decode: TargetClient) -> None:
+        """P/D disaggregation: the prompt's KV is computed on the least busy prefill target. With --kv-transfer
+        store it writes the full blocks to the shared KV store before it answers, and the decode target reads them
+        there on its prefix-cache miss; with direct it sends them to the decode target's host tier (PutBlocks)
+        before it answers. Skipped for prompts under one block. A prefill target that fails costs nothing but
+        time: the decode target computes what it did not get."""
         up = [t for t in self.prefill if t.up]
         if not up or len(ids) <= self.info.block_size:
             return
@@ -218,9 +220,11 @@ class Frontend:
         self.load[target.address] += 1
         once = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, cache_salt=params.cache_salt,
                               num_speculative_tokens=0)
+        destination = decode.address if self.cfg.kv_transfer == "direct" else ""
         try:
             left = max(0.001, deadline - time.monotonic())
-            async with contextlib.aclosing(target.generate(uuid.uuid4().hex, ids, once, left)) as steps:
+            async with contextlib.aclosing(target.generate(uuid.uuid4().hex, ids, once, left,
+                                                           kv_destination=destination)) as steps:
                 async for _ in steps:
                     pass
         except Exception as e:                 # best effort: whatever failed, the decode target computes the prompt

@@ -10,6 +10,7 @@ from shared.config import add_config_arguments, config_from_args
 from shared.rpc.server import Service, run_server
 
 log = logging.getLogger("upesi.router")
+PREFILL_JOIN_S = 5.0          # at start, how long to wait for prefill targets that are already up
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,11 +39,15 @@ async def serve(cfg: RouterConfig) -> None:
     model_path = resolve_model_path(cfg.model)
     tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer, model_path))
     prefill = [TargetClient(a) for a in cfg.prefill_addresses()]
-    infos = await asyncio.gather(*(t.wait_info(cfg.target_wait_s) for t in [*targets, *prefill]))
+    infos = await asyncio.gather(*(t.wait_info(cfg.target_wait_s) for t in targets))
     if len({i.model for i in infos}) > 1:
         raise ValueError(f"the target replicas serve different models: {sorted({i.model for i in infos})}")
     if len({i.block_size for i in infos}) > 1:
         raise ValueError("the target replicas use different KV block sizes; give them all the same --block-size")
+    # prefill targets are optional: each is used from the moment it answers with the same model and block size
+    joins = [asyncio.create_task(t.join_when_up(infos[0])) for t in prefill]
+    if joins:                                        # those already up (as `upesi serve` starts them) join now
+        await asyncio.wait(joins, timeout=PREFILL_JOIN_S)
     registry = open_registry(cfg.registry) if cfg.registry else None
     drafts = [DraftClient(a) for a in cfg.draft_addresses()]      # connect lazily: a draft may start later
     frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry, keys, drafts,
@@ -58,6 +63,8 @@ async def serve(cfg: RouterConfig) -> None:
         if http:
             http[0].should_exit = True
             await http[1]
+        for j in joins:
+            j.cancel()
         for t in [*targets, *prefill, *drafts]:
             await t.close()
         if registry is not None:

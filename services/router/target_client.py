@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from shared.errors import PeerUnavailable
 from shared.rpc.channel import ClientTLS, aio_channel
 from shared.sampling_params import SamplingParams
 from upesi.v1 import target_pb2, target_pb2_grpc
+
+log = logging.getLogger("upesi.router")
 
 
 @dataclass(slots=True)
@@ -54,12 +57,27 @@ class TargetClient:
                     raise PeerUnavailable(f"target {self.address} did not come up: {e.details()}") from None
                 await asyncio.sleep(0.5)
 
+    async def join_when_up(self, expect: TargetInfo) -> None:
+        """For an optional replica (a prefill target): marked down until it answers, then up if it serves the same
+        model with the same block size as `expect` (else it stays down, with an error in the log)."""
+        self.down_until = float("inf")
+        info = await self.wait_info(timeout_s=float("inf"))
+        if (info.model, info.block_size) != (expect.model, expect.block_size):
+            log.error("prefill target %s serves %s with %d-token blocks, not %s with %d: not used", self.address,
+                      info.model, info.block_size, expect.model, expect.block_size)
+            return
+        log.info("prefill target %s is up", self.address)
+        self.down_until = 0.0
+
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       timeout: float | None, attach: bool = False) -> AsyncIterator[StepOutput]:
+                       timeout: float | None, attach: bool = False, kv_destination: str = ""
+                       ) -> AsyncIterator[StepOutput]:
         """The request's output step by step. attach: take over the request if a draft's Verify stream opened it
-        (its output from the first token on; see services/router/draft_client.py)."""
+        (its output from the first token on; see services/router/draft_client.py). kv_destination: a prefill
+        target sends the prompt's KV blocks to that target before its last answer (P/D, direct transfer)."""
         req = target_request(request_id, prompt, params)
         req.attach = attach
+        req.kv_destination = kv_destination
         call = self.stub.Generate(req, timeout=timeout)      # the deadline travels to the target with the call
         try:
             async for out in read_steps(call, params.n):

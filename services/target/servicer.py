@@ -6,9 +6,10 @@ import logging
 
 import grpc
 
+from services.target.block_transfer import BlockSender, decode_blocks
 from services.target.verify import Relays, StreamProposer, delta_to_pb
 from shared.engine.async_engine import AsyncEngine
-from shared.errors import InvalidRequest, NotRunning
+from shared.errors import InvalidRequest, NotConfigured, NotRunning
 from shared.rpc.errors import map_errors, status_for
 from shared.sampling_params import SamplingParams
 from shared.spec.proposer_mux import ProposerMux
@@ -36,6 +37,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             mux = engine.engine.proposer = ProposerMux(mux)
         self.relays = Relays(engine, mux)
         self.verify_timeout_s = verify_timeout_s
+        self.blocks = BlockSender(engine)
 
     @map_errors
     async def Generate(self, request: target_pb2.TargetGenerateRequest, context: grpc.aio.ServicerContext):
@@ -49,10 +51,37 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 yield msg
             return
         params = params_from_pb(request)
-        first = True
-        async for d in self.engine.generate(request.request_id, list(request.prompt_token_ids), params):
-            yield delta_to_pb(d, first)
+        prompt = list(request.prompt_token_ids)
+        first, held = True, None
+        async for d in self.engine.generate(request.request_id, prompt, params):
+            if held is not None:
+                yield held
+            held = delta_to_pb(d, first)
             first = False
+        if request.kv_destination:                  # a prefill target: the blocks go first, then the last answer
+            await self._send_blocks(request.kv_destination, prompt, params.cache_salt)
+        if held is not None:
+            yield held
+
+    async def _send_blocks(self, destination: str, prompt: list[int], cache_salt: str) -> None:
+        """Best effort: whatever fails, the decode target computes the blocks it did not get."""
+        try:
+            await self.blocks.send(destination, prompt, cache_salt)
+        except Exception as e:
+            log.warning("KV blocks for %s not sent: %s", destination, getattr(e, "details", lambda: e)())
+
+    @map_errors
+    async def PutBlocks(self, request_iterator, context) -> target_pb2.PutBlocksResponse:
+        store = self.engine.engine.kv_store
+        if store is None or store.host is None:
+            raise NotConfigured("this target keeps no host tier for KV blocks from other targets: start it with "
+                                "--kv-host-gb")
+        got = [(b.hash, b.value) async for b in request_iterator]
+        layout = self.engine.engine.block_layout
+        good, bad = await asyncio.get_running_loop().run_in_executor(None, decode_blocks, layout, got)
+        if good:
+            await self.engine.call(lambda e: e.receive_blocks(good))
+        return target_pb2.PutBlocksResponse(stored=len(good), invalid=bad)
 
     async def _attached(self, request_id: str, queue: asyncio.Queue, history: list):
         """A request a Verify stream opened, taken over by this caller: its output so far, then the rest."""

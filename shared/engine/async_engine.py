@@ -13,13 +13,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from typing import Callable
+from typing import Callable, TypeVar
 
 from shared.engine.engine import Delta, LLMEngine
 from shared.errors import EngineDead, Overloaded
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -71,6 +72,16 @@ class AsyncEngine:
 
     def abort(self, request_id: str, indices: list[int] | None = None) -> None:
         self._inbox.put(("abort", request_id, indices))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) run on the engine thread between two steps (it may read or change the cache), its result or
+        its exception back here."""
+        if self.error is not None or self._stopped.is_set():
+            raise EngineDead(f"the engine has stopped: {self.error}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.put(("call", fn, loop, done))
+        return await done
 
     def stop(self) -> None:
         self._stopped.set()
@@ -141,6 +152,14 @@ class AsyncEngine:
                 self.engine.abort(rid)
         elif msg[0] == "abort":
             self._deliver(self.engine.abort(msg[1], msg[2]))
+        elif msg[0] == "call":
+            _, fn, loop, done = msg
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                _post(loop, _settle, done, e)
+                return
+            _post(loop, _settle, done, None, result)
 
     def _deliver(self, deltas: list[Delta]) -> None:
         """Hands a step's deltas to their streams: one wake-up per caller's event loop, not one per delta."""
@@ -174,10 +193,10 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
         return False
 
 
-def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+def _settle(fut: asyncio.Future, err: BaseException | None, result: object = None) -> None:
     if fut.done():
         return
     if err is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(err)

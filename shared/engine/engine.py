@@ -21,11 +21,11 @@ from shared.engine.rejection import verify_greedy, verify_sampled
 from shared.engine.sampler import probs_from_logits, sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, NotConfigured
 from shared.kv.block_codec import BlockData, BlockLayout, model_fingerprint
 from shared.kv.block_manager import BlockManager
 from shared.kv.block_store import open_block_store
-from shared.kv.hashing import cache_extra
+from shared.kv.hashing import BlockHash, cache_extra, hash_chain
 from shared.model.loader import load_config
 from shared.model.registry import build_model, check_architecture
 from shared.model_files import resolve_model_path
@@ -68,13 +68,14 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
+        kvh, dh, shared = kv_cache_layout(model, self.model_cfg)
+        # what a block's bytes mean, for the block store and for blocks sent to or received from another target
+        self.block_layout = BlockLayout(model_fingerprint(model, repr(self.model_cfg), dtype), dtype,
+                                        self.model_cfg.num_layers, cfg.block_size, kvh, dh, shared,
+                                        self.model_cfg.hidden_size)
         self.kv_store = None
         if cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir:
-            kvh, dh, shared = kv_cache_layout(model, self.model_cfg)
-            layout = BlockLayout(model_fingerprint(model, repr(self.model_cfg), dtype), dtype,
-                                 self.model_cfg.num_layers, cfg.block_size, kvh, dh, shared,
-                                 self.model_cfg.hidden_size)
-            self.kv_store = open_block_store(layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
+            self.kv_store = open_block_store(self.block_layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
                                              cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb)
         if self.kv_store is not None:
             self.block_manager.source = self.kv_store
@@ -235,6 +236,31 @@ class LLMEngine:
             bm.commits.clear()
             if self.cfg.kv_store_sync:
                 self.kv_store.flush()
+
+    # ---------------------------------------------------------------- blocks between targets (P/D, direct)
+    def export_blocks(self, prompt: list[int], cache_salt: str = "") -> list[tuple[BlockHash, BlockData]]:
+        """Copies of the KV of `prompt`'s leading full blocks that this cache holds, in order, up to the first it
+        does not: what a decode target needs to skip the prefill this engine computed (the last prompt token is
+        always computed there, so its block is not included when it is full)."""
+        bm = self.block_manager
+        hashes = hash_chain(prompt, bm.block_size, cache_extra(self.model_cfg.name, cache_salt),
+                            max_blocks=(len(prompt) - 1) // bm.block_size)
+        blocks = []
+        for h in hashes:
+            block = bm.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        read = self.runner.read_blocks(blocks) if blocks else []
+        return [(h, BlockData(kv, hid)) for h, (kv, hid) in zip(hashes, read)]
+
+    def receive_blocks(self, items: list[tuple[BlockHash, BlockData]]) -> None:
+        """Blocks another target computed (already checked against this engine's layout) into the host tier, where
+        the next prefix-cache miss of their prompt finds them."""
+        if self.kv_store is None or self.kv_store.host is None:
+            raise NotConfigured("this target keeps no host tier for KV blocks from other targets: start it with "
+                                "--kv-host-gb")
+        self.kv_store.received(items)
 
     def close(self) -> None:
         """Stops background work (the block store's writer, after its queued writes)."""

@@ -4,6 +4,7 @@
     commit of a full block  -> write(...)  -> queue -> writer thread -> local disk (files, LRU budget)
                                                                      -> Redis   (encode, pipelined, budget, TTL)
     eviction from the cache -> evicted(...) ------------------------------> host memory (LRU, no encoding)
+    blocks another target sent -> received(...) --------------------------> host memory
     prefix-cache miss       -> lookup(hashes) <- host first, then disk, then Redis, the last only while reading
                                                  is cheaper than computing (shared.kv.transfer_cost)
 
@@ -136,6 +137,12 @@ class KVBlockStore:
         if self.host is not None:
             for h, block in items:
                 self.host.put(h, block)
+
+    def received(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
+        """Blocks another target sent (prefill/decode disaggregation, direct transfer): into host memory."""
+        for h, block in items:
+            self.host.put(h, block)
+        metrics.KV_STORE_BYTES.labels("received").inc(sum(b.nbytes for _, b in items))
 
     def committed(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
         """Newly filled blocks: queued for the disk and Redis tiers (unless known to be there already)."""

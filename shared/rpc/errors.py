@@ -14,6 +14,7 @@ from shared.errors import (
     EngineDead,
     Forbidden,
     InvalidRequest,
+    NotConfigured,
     NotRunning,
     Overloaded,
     PeerUnavailable,
@@ -38,6 +39,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (NotRunning, grpc.StatusCode.NOT_FOUND),
     (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
+    (NotConfigured, grpc.StatusCode.FAILED_PRECONDITION),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (EngineDead, grpc.StatusCode.UNAVAILABLE),
 ]

@@ -1,8 +1,10 @@
 """The KV block store with a real redis-server: blocks one engine computed are read by another (a replica, or a
-restarted target) bit for bit, tenants stay apart, wrong values are misses, the budget holds, and a dead store
-only costs recomputation. Engines run in process on a tiny Llama checkpoint in fp32."""
+restarted target) bit for bit, tenants stay apart, wrong values are misses, the budget holds, a dead store only
+costs recomputation, and blocks sent directly to another engine's host tier (P/D) are read there bit for bit.
+Engines run in process on a tiny Llama checkpoint in fp32."""
 from __future__ import annotations
 
+import pytest
 import redis
 import torch
 
@@ -221,3 +223,39 @@ def test_the_disk_tier_keeps_to_its_budget(tiny_llama_dir, tmp_path):
     newest = hash_chain(ids, BS, cache_extra(eng.model_cfg.name))[-3:]                 # written last: kept
     assert sorted(disk.glob("*.kv")) == sorted(eng.kv_store.disk.path(h) for h in newest)
     assert eng.kv_store.disk.used_bytes == 3 * size
+
+
+def test_blocks_sent_to_another_target_give_the_same_logits(tiny_llama_dir):
+    """P/D with direct transfer, the engines' part: the prefill engine's export, encoded and checked as PutBlocks
+    carries it, lands in the decode engine's host tier; its run reads them and computes what an engine that had
+    the prefix in its own cache computes, bit for bit. A damaged value is refused; a target without a host tier
+    refuses blocks."""
+    from services.target.block_transfer import encode_blocks, decode_blocks
+    from shared.errors import NotConfigured
+
+    ids = prompt(5)
+    a = make(tiny_llama_dir)
+    run(a, ids, tokens=1)                                              # the prefill target's job
+    sent = a.export_blocks(ids)
+    assert len(sent) == (len(ids) - 1) // BS
+    values = encode_blocks(a.block_layout, sent)
+    b = make(tiny_llama_dir, host_gb=0.01)
+    damaged = values[-1][1][:-1] + bytes([values[-1][1][-1] ^ 1])
+    good, bad = decode_blocks(b.block_layout, values[:-1] + [(values[-1][0], damaged)])
+    assert (len(good), bad) == (len(values) - 1, 1)
+    good, bad = decode_blocks(b.block_layout, values)
+    assert bad == 0
+    b.receive_blocks(good)
+    b_logits = record_logits(b)
+    got, cached_b = run(b, ids)
+    assert cached_b == len(sent) * BS
+    c = make(tiny_llama_dir)
+    run(c, ids[:cached_b] + [7, 7, 7, 7, 7], tokens=1)                # the same prefix in C's own cache
+    c_logits = record_logits(c)
+    got_c, cached_c = run(c, ids)
+    assert (got_c, cached_c) == (got, cached_b)
+    assert len(b_logits) == len(c_logits) and all(torch.equal(x, y) for x, y in zip(b_logits, c_logits))
+    with pytest.raises(NotConfigured):
+        c.receive_blocks(good)
+    for e in (a, b, c):
+        e.close()

@@ -3,7 +3,8 @@
 Shows: a prompt one target replica computed is served by the other with `cached_tokens` read from the store; a target
 killed and restarted with an empty cache gets the prefix back from Redis; prefill/decode disaggregation (a prefill
 target writes the prompt's blocks, the decode target reads them and decodes, with n-gram speculation) gives
-transformers' greedy tokens; the targets export the store's metrics.
+transformers' greedy tokens, with the blocks handed over through Redis or sent directly over gRPC; the targets
+export the store's metrics.
 """
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ def metric_ok(port: int) -> bool:
 
 
 def test_prefill_decode_disaggregation_equals_transformers(redis, hf_greedy, tmp_path):
-    s = Stack(tmp_path, ["--prefill-replicas", "1", "--kv-store", redis.url, "--speculative", "ngram"])
+    s = Stack(tmp_path, ["--prefill-replicas", "1", "--kv-transfer", "store", "--kv-store", redis.url,
+                         "--speculative", "ngram"])
     try:
         s.wait_ready()
         with grpc.insecure_channel(s.address) as ch:
@@ -129,5 +131,26 @@ def test_prefill_decode_disaggregation_equals_transformers(redis, hf_greedy, tmp
             for prompt in CHAT_PROMPTS[:2]:
                 r = ask(stub, prompt + " Answer briefly.", system="", max_tokens=GREEDY_TOKENS)
                 assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+    finally:
+        assert s.stop() == 0
+
+
+def test_prefill_decode_with_direct_transfer_equals_transformers(hf_greedy, tmp_path):
+    """No store: the prefill target sends the prompt's blocks to the decode target's host tier (PutBlocks)."""
+    s = Stack(tmp_path, ["--prefill-replicas", "1", "--speculative", "ngram"])        # direct: the default
+    try:
+        s.wait_ready()
+        with grpc.insecure_channel(s.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for prompt, ref in zip(CHAT_PROMPTS, hf_greedy):
+                r = ask(stub, prompt, system="", max_tokens=GREEDY_TOKENS)
+                assert list(r.choices[0].token_ids) == ref
+                assert r.usage.cached_tokens >= 16
+        decode, prefill = s.metrics_port, s.metrics_port + 1
+        # the chat template's first block is shared: after the first prompt, one block a prompt comes from the host
+        assert metric(decode, 'upesi_kv_store_hits_total{tier="host"}') >= len(CHAT_PROMPTS)
+        assert metric(decode, 'upesi_kv_store_bytes_total{direction="received"}') > 0
+        assert metric(prefill, 'upesi_kv_store_bytes_total{direction="sent"}') > 0
+        assert metric(decode, "upesi_spec_draft_tokens_total") > 0
     finally:
         assert s.stop() == 0

@@ -396,12 +396,12 @@ def test_services_pdbs_and_addresses(objects, cli):
         assert svc is not None, f"{what}: {address} names no Service in deploy/"
         assert port in {p["port"] for p in svc["spec"]["ports"]}, f"{what}: Service {host} has no port {port}"
 
-    by_command = {}
+    by_name = {}
     for w in workloads:
         for c in _upesi_containers(w):
             env = _container_env(c, configmaps)
-            by_command[c["args"][0]] = _check_command(c["args"], env, cli, w["metadata"]["name"], _own_env(c))
-    router, target = by_command["router"], by_command["target"]
+            by_name[w["metadata"]["name"]] = _check_command(c["args"], env, cli, w["metadata"]["name"], _own_env(c))
+    router, target = by_name["upesi-router"], by_name["upesi-target"]
     router_targets = [a.strip() for a in router.target.split(",") if a.strip()]
     for a in router_targets:
         service_port(a, "router --target")
@@ -418,11 +418,19 @@ def test_services_pdbs_and_addresses(objects, cli):
     service_port(router.draft, "router --draft")
     shards = [a.strip() for a in target.expert_shards.split(",")]
     sts = next(w for w in workloads if w["kind"] == "StatefulSet" and w["metadata"]["name"] == "upesi-experts")
-    experts = by_command["experts"]
+    experts = by_name["upesi-experts"]
     assert len(shards) == sts["spec"]["replicas"] == experts.num_shards, (shards, experts.num_shards)
     for i, a in enumerate(shards):
         assert _hostport(a)[0] == f"upesi-experts-{i}.upesi-experts", f"shard {i} is {a}"
         service_port(a.split(".", 1)[1], f"target --expert-shards [{i}]")    # pod.service:port -> service:port
+    # P/D: the router sends long prompts to the prefill targets' Service, which hand the blocks to the target's
+    # host tier; the prefill Deployment starts with no pods (the router uses it while it answers)
+    service_port(router.prefill_target, "router --prefill-target")
+    prefill = by_name["upesi-target-prefill"]
+    assert prefill.replica_id == router.prefill_target and not prefill.registry
+    assert router.kv_transfer == "direct" and target.kv_host_gb > 0
+    [pd] = [w for w in workloads if w["metadata"]["name"] == "upesi-target-prefill"]
+    assert pd["spec"]["replicas"] == 0
     index_env = {e["name"]: e for e in _upesi_containers(sts)[0]["env"]}["UPESI_SHARD_INDEX"]
     assert index_env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
 
@@ -466,9 +474,10 @@ def test_compose_validates_against_the_compose_spec(compose):
 
 def test_compose_services_and_profiles(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "target", "router", "draft", "experts-0", "experts-1"}
+    assert set(services) == {"redis", "target", "router", "draft", "experts-0", "experts-1", "target-prefill"}
     for name, svc in services.items():
-        assert not svc.get("profiles"), f"{name}: every service starts with a plain `docker compose up`"
+        # every service starts with a plain `docker compose up`, but the prefill target (`--profile pd`)
+        assert svc.get("profiles", []) == (["pd"] if name == "target-prefill" else []), f"{name}: profiles"
         assert "healthcheck" in svc, f"{name}: no healthcheck"
         for dep, spec in svc.get("depends_on", {}).items():
             assert dep in services, f"{name} depends on unknown service {dep}"
@@ -504,6 +513,10 @@ def test_compose_commands_use_real_flags(compose, cli):
         host, port = _hostport(a)
         assert host in services and port == _port(parsed[host].address), f"router --target {a}: no such service"
     assert target.replica_id in router_targets, "the target's replica id must be an address the router dials"
+    # P/D: the prefill target hands blocks straight to the target, whose host tier takes them
+    host, port = _hostport(router.prefill_target)
+    assert host == "target-prefill" and port == _port(parsed[host].address), f"--prefill-target {host}:{port}"
+    assert router.kv_transfer == "direct" and target.kv_host_gb > 0
     for name in ("router", "target"):                 # Redis's password is the internal token
         url = urlsplit(services[name]["environment"]["UPESI_REGISTRY"])
         assert (url.hostname, url.port, url.password) == ("redis", 6379, "${UPESI_INTERNAL_TOKEN}"), url
