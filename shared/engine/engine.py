@@ -34,6 +34,7 @@ from shared.sampling_params import SamplingParams
 from shared.tree import compaction, depths, is_chain, walk_greedy
 
 log = logging.getLogger(__name__)
+LONG_ROPE = b"\x00long-rope"        # in the block hashes of sequences on LongRoPE's long factors
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
+        self.long_rope_after: int | None = getattr(model, "long_rope_after", None)   # LongRoPE's original window
         kvh, dh, shared = kv_cache_layout(model, self.model_cfg)
         # what a block's bytes mean, for the block store and for blocks sent to or received from another target
         self.block_layout = BlockLayout(model_fingerprint(model, repr(self.model_cfg), dtype), dtype,
@@ -116,9 +118,10 @@ class LLMEngine:
             raise InvalidRequest(f"the prompt needs {need} KV blocks but the cache has only "
                                  f"{self.block_manager.num_blocks} in all (block size {self.cfg.block_size})")
         extra = cache_extra(self.model_cfg.name, params.cache_salt)
-        seqs = [Sequence(request_id, i, prompt, params, extra) for i in range(params.n)]
+        long_rope = self.long_rope_after is not None and len(prompt) > self.long_rope_after
+        seqs = [Sequence(request_id, i, prompt, params, extra + LONG_ROPE * long_rope) for i in range(params.n)]
         for s in seqs:
-            s.trace_ctx = trace_ctx
+            s.long_rope, s.trace_ctx = long_rope, trace_ctx
         self.requests[request_id] = seqs
         self.scheduler.add(seqs[0])
         if params.beam_width > 1:
@@ -152,6 +155,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[Delta]:
+        if self.long_rope_after is not None:
+            self._switch_long_rope()
         if self.proposer is not None and getattr(self.proposer, "active", True):
             self._propose()
         batch = self.scheduler.schedule()
@@ -313,6 +318,24 @@ class LLMEngine:
         self.requests[request_id] = beams
         return []
 
+    def _one_pass_rope(self, seq: Sequence) -> None:
+        """A sequence computed in one pass (score, hidden_states): on LongRoPE's long factors when it is longer than
+        the window, as transformers' forward over it is."""
+        if self.long_rope_after is not None and len(seq) > self.long_rope_after:
+            seq.long_rope = True
+            seq.cache_extra += LONG_ROPE
+
+    def _switch_long_rope(self) -> None:
+        """LongRoPE past its original window, as transformers generates: a sequence whose next input sits past the
+        window has its whole KV computed again on the long factors (transformers drops its cache there), once;
+        its blocks then hash apart from the short-factor ones."""
+        for seq in list(self.scheduler.running):
+            if not seq.long_rope and len(seq) > self.long_rope_after:
+                self.scheduler.recompute(seq)
+                seq.long_rope = True
+                seq.cache_extra += LONG_ROPE
+                seq.block_hashes = []
+
     # ---------------------------------------------------------------- speculative decoding
     def _k_max(self, seq: Sequence) -> int:
         p = seq.params
@@ -326,6 +349,8 @@ class LLMEngine:
         if seq.spec_k == 0:
             seq.spec_k = k_max
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        if self.long_rope_after is not None and not seq.long_rope:   # no draft past the switch to the long factors
+            room = min(room, self.long_rope_after - len(seq))
         return max(0, min(seq.spec_k, k_max, room))
 
     def _propose(self) -> None:
@@ -464,6 +489,7 @@ class LLMEngine:
         from shared.engine.scheduler import ScheduledBatch
 
         seq = Sequence("score", 0, token_ids, SamplingParams(temperature=0, max_tokens=1, cache_salt=cache_salt))
+        self._one_pass_rope(seq)
         if not self.block_manager.can_allocate(seq):
             raise InvalidRequest(f"{len(token_ids)} tokens do not fit in the free KV blocks")
         self.block_manager.allocate(seq)
@@ -483,6 +509,8 @@ class LLMEngine:
 
         self.runner.capture_hidden()
         seqs = [Sequence("hidden", 0, ids, SamplingParams(temperature=0, max_tokens=1)) for ids in sequences]
+        for seq in seqs:
+            self._one_pass_rope(seq)
         if any(not ids for ids in sequences):
             raise InvalidRequest("an empty sequence has no hidden states")
         allocated = []

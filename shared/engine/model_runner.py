@@ -117,6 +117,7 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             max_query_len=max(batch.num_tokens),
             tree_masks=trees,
+            long_rope=[s.long_rope for s in batch.seqs],
         )
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                 meta, sample_rows, sample_seqs)

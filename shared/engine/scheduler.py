@@ -91,6 +91,12 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
+    def recompute(self, seq: Sequence) -> None:
+        """Frees a running sequence's blocks and queues it first to be computed again from its tokens (its KV must
+        change: LongRoPE switching to the long factors); not counted as a preemption."""
+        self._preempt(seq)
+        self.num_preemptions -= 1
+
     def _preempt(self, seq: Sequence) -> None:
         seq.drop_speculation()
         self.running.remove(seq)

@@ -25,7 +25,7 @@ class Sequence:
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
                  "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_parents",
                  "spec_k", "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns",
-                 "num_released_blocks")
+                 "num_released_blocks", "long_rope")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -42,6 +42,7 @@ class Sequence:
         self.block_hashes: list[int] = []        # hashes of full blocks of token_ids (whether cached or not)
         self.num_committed_blocks = 0            # leading blocks already offered to the prefix cache
         self.num_released_blocks = 0             # leading blocks given back: wholly outside a sliding window
+        self.long_rope = False                   # LongRoPE past its window: its KV is on the long factors
         self.cache_extra = cache_extra           # model + cache salt, part of every block hash
         self.spec_tokens: list[int] = []         # draft tokens appended provisionally, verified next step
         self.spec_probs = None                   # their draft probabilities q [K, V], None for point masses
@@ -63,6 +64,7 @@ class Sequence:
         child = Sequence(self.request_id, self.index, [], self.params, self.cache_extra)
         child.token_ids = list(self.token_ids)
         child.num_prompt_tokens = self.num_prompt_tokens
+        child.long_rope = self.long_rope
         child.trace_ctx, child.prefill_start_ns = self.trace_ctx, -1
         return child
 

@@ -27,6 +27,13 @@ class ModelConfig:
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)   # family-specific fields (MoE, MLA, ...)
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head that RoPE rotates: all of them, or a partial rotary factor's share (Phi-4-mini)."""
+        factor = (self.extra.get("partial_rotary_factor")
+                  or (self.extra.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0)
+        return int(self.head_dim * factor)
+
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")

@@ -17,7 +17,7 @@ from shared.ops import cpu_attention, decoder_bf16, rms_norm
 from shared.ops.attention import paged_attention
 from shared.ops.packed_linear import PackedLinear
 from shared.ops.paged_attention import AttentionMetadata, write_kv
-from shared.ops.rope import apply_rope, rope_tables
+from shared.ops.rope import apply_rope, long_rope_after, rope_tables
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # per layer: k, v [NB, BS, KVH, Dh]
 
@@ -112,7 +112,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+        cos, sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+        self.max_len, self.long_rope_after = max_len, long_rope_after(cfg.rope_scaling, max_len)
         self.register_buffer("rope_cos", cos, persistent=False)            # [P, Dh]
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -124,8 +125,14 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, D] (before the LM head)."""
         x = self.embed_tokens(input_ids)                                   # [T, D]
-        cos = self.rope_cos[positions].to(x.dtype)                         # [T, Dh]
-        sin = self.rope_sin[positions].to(x.dtype)
+        rows = positions
+        if self.long_rope_after is not None and meta.long_rope is not None and any(meta.long_rope):
+            dev = positions.device                                         # LongRoPE past its original window
+            long = torch.tensor(meta.long_rope, device=dev).repeat_interleave(torch.tensor(meta.query_lens,
+                                                                                           device=dev))   # [T]
+            rows = positions + long.to(positions.dtype) * self.max_len     # the long-factor half of the tables
+        cos = self.rope_cos[rows].to(x.dtype)                              # [T, Dh]
+        sin = self.rope_sin[rows].to(x.dtype)
         stack = self._decoder_stack(kv_caches)
         if stack is not None and stack.takes(x, meta):                     # a few bf16 rows: every layer in C
             return self.norm(stack.run(x, cos, sin, meta))

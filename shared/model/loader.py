@@ -110,7 +110,10 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
     p = f"{arch}."
     heads = _gguf_field(r, p + "attention.head_count")
     hidden = _gguf_field(r, p + "embedding_length")
-    head_dim = _gguf_field(r, p + "attention.key_length") or _gguf_field(r, p + "rope.dimension_count", hidden // heads)
+    rope_dims = _gguf_field(r, p + "rope.dimension_count")
+    # Phi-3's files give the rotated dims (Phi-4-mini: 3/4 of a head), not the head dim
+    head_dim = _gguf_field(r, p + "attention.key_length") or (hidden // heads if arch == "phi3" else
+                                                                 rope_dims or hidden // heads)
     scaling = None
     kind = _gguf_field(r, p + "rope.scaling.type")
     if kind and kind != "none":
@@ -154,9 +157,21 @@ def _family_fields(r, arch: str, width: int, head_dim: int, scaling: dict | None
     blocks = _gguf_field(r, p + "block_count")
     if arch == "phi3":                       # its window applies on every layer (shared.model.llama.layer_windows)
         extra["sliding_window"] = _gguf_field(r, p + "attention.sliding_window")
-        if any(t.name.startswith("rope_factors_") for t in r.tensors):
-            raise ValueError("phi3 GGUF files with LongRoPE factors (the 128k variants) are not supported; load "
-                             "the Hugging Face folder instead")
+        rope_dims = _gguf_field(r, p + "rope.dimension_count")
+        if rope_dims and rope_dims != head_dim:                    # Phi-4-mini: a partial rotary factor
+            extra["partial_rotary_factor"] = rope_dims / head_dim
+        factors = {t.name: t for t in r.tensors if t.name.startswith("rope_factors_")}
+        if factors:                          # the 128k variants: LongRoPE, its factors as tensors
+            from gguf.quants import dequantize
+            if set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+                raise ValueError(f"phi3 GGUF: LongRoPE needs rope_factors_long and rope_factors_short, the file has "
+                                 f"{sorted(factors)}")
+            read = {n.split("_")[2].split(".")[0]: dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+                    .tolist() for n, t in factors.items()}
+            scaling = {"rope_type": "longrope", "long_factor": read["long"], "short_factor": read["short"],
+                       "original_max_position_embeddings": _gguf_field(r, p + "rope.scaling.original_context_length"),
+                       "max_position_embeddings": _gguf_field(r, p + "context_length"),
+                       "attention_factor": _gguf_field(r, p + "rope.scaling.attn_factor")}
     if arch in ("gemma2", "gemma3"):
         # not in the file: llama.cpp scales scores by the head dim, by hidden / heads for the 27B models
         extra.update(sliding_window=_gguf_field(r, p + "attention.sliding_window"),
@@ -196,8 +211,8 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
     try:
         for t in tqdm(r.tensors, desc="Dequantising GGUF", disable=not progress, unit="tensor"):
             parts = t.name.split(".")
-            if parts[0] == "rope_freqs":                      # read into the config's RoPE scaling
-                continue
+            if parts[0] in ("rope_freqs", "rope_factors_long", "rope_factors_short"):   # read into the config's
+                continue                                                               # RoPE scaling
             if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
                 stacked = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)     # [E, out, in]
                 for e in range(stacked.shape[0]):

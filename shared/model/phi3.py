@@ -1,9 +1,11 @@
-"""Phi-3 and Phi-3.5-mini (`phi3`): the Llama decoder.
+"""Phi-3, Phi-3.5-mini and Phi-4-mini (`phi3`): the Llama decoder.
 
 Their checkpoints hold q, k and v in one `qkv_proj` and gate and up in one `gate_up_proj` (gate first), the layout
 this code's layers already have; the loader splits them back into the names the Llama loader knows. The sliding
-window of the config (2047 in Phi-3-mini-4k) applies on every layer. LongRoPE (the 128k variants) is served within
-the original window (shared.ops.rope). A partial rotary factor (Phi-4-mini) is refused.
+window of the config (2047 in Phi-3-mini-4k) applies on every layer. LongRoPE (the 128k variants): the short factors
+within the original window and, past it, the long factors as transformers switches to them (shared.ops.rope,
+LLMEngine._switch_long_rope). A partial rotary factor (Phi-4-mini's 0.75) rotates that share of each head's dims
+(ModelConfig.rotary_dim).
 Shapes: H / KVH = query / kv heads, Dh = head dim, I = intermediate size, D = hidden.
 """
 from __future__ import annotations
@@ -12,17 +14,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
-        factor = cfg.extra.get("partial_rotary_factor", 1.0)
-        if factor != 1.0:
-            raise ValueError(f"phi3: a partial rotary factor ({factor}, as in Phi-4-mini) is not supported")
-        super().__init__(cfg, max_len)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c = self.cfg
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

@@ -63,7 +63,7 @@ def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.devic
         model = factory(cfg, max_len)
     consume = apply_quantization(model, cfg.extra, path)   # quantised checkpoints: swap layers, take their tensors
     model = model.to_empty(device="cpu")          # no random init: every weight comes from the checkpoint
-    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+    model.rope_cos, model.rope_sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(consume(iter_weights(path, cfg, progress)))

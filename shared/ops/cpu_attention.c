@@ -3,10 +3,10 @@
 // Shapes: T = rows of the step, H / KVH = query / kv heads, G = H / KVH, Dh = head dim, BS = block size,
 // MB = max blocks per sequence, P = rope table positions.
 //
-// upesi_rope_store: qkv [T, (H + 2 KVH) Dh] (rows `row_stride` apart), cos / sin [T, Dh] in the same dtype ->
-// q and k rotated in place ("rotate half",
-// as the torch path: x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype, no fused
-// multiply-add), then k and v stored at their cache slots.
+// upesi_rope_store: qkv [T, (H + 2 KVH) Dh] (rows `row_stride` apart), cos / sin [T, R] in the same dtype ->
+// the first R (rotary) dims of q and k rotated in place, the others left as they are (partial rotary: R < Dh)
+// ("rotate half", as the torch path: x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype,
+// no fused multiply-add), then k and v stored at their cache slots.
 //
 // upesi_paged_attention: query rows described by (row, seq, ctx, j, bits): a row attends the ctx cached positions
 // before its sequence's new tokens, then new token i for i <= j where i == 0 or bit i - 1 of `bits` is set (-1:
@@ -87,18 +87,18 @@ static void rope_head(float *x, const float *cos, const float *sin, int dh, int 
     memcpy(x, r, (size_t)dh * 4);
 }
 
-void upesi_rope_store(void *qkv, int64_t t, int64_t row_stride, int h, int kvh, int dh, const void *cos,
+void upesi_rope_store(void *qkv, int64_t t, int64_t row_stride, int h, int kvh, int dh, int rot, const void *cos,
                       const void *sin, void *k_cache, void *v_cache, const int64_t *slots, int bf16) {
     #pragma omp parallel for schedule(static) if (t > 1)
     for (int64_t r = 0; r < t; r++) {
         float x[512], c[512], s[512];
-        load_row(cos, r * dh, dh, bf16, c);
-        load_row(sin, r * dh, dh, bf16, s);
+        load_row(cos, r * rot, rot, bf16, c);
+        load_row(sin, r * rot, rot, bf16, s);
         int64_t base = r * row_stride;
         for (int hh = 0; hh < h + kvh; hh++) {                   // q heads, then k heads
             int64_t off = base + (int64_t)hh * dh;
             load_row(qkv, off, dh, bf16, x);
-            rope_head(x, c, s, dh, bf16);
+            rope_head(x, c, s, rot, bf16);                       // the first `rot` dims; the rest pass through
             store_row(qkv, off, dh, bf16, x);
             if (hh >= h) store_row(k_cache, (slots[r] * kvh + (hh - h)) * dh, dh, bf16, x);
         }

@@ -38,8 +38,8 @@ def _lib() -> ctypes.CDLL | None:
     lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_CPU_ATTENTION", "CPU attention kernel")
     if lib is None:
         return None
-    lib.upesi_rope_store.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P,
-                                     ctypes.c_int]
+    lib.upesi_rope_store.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _P, _P,
+                                     _P, _P, ctypes.c_int]
     lib.upesi_paged_attention.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _P, _I, ctypes.c_int,
                                           ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, _I, _I, _I,
                                           ctypes.c_float]
@@ -70,7 +70,8 @@ def available() -> bool:
 
 def _agrees() -> bool:
     """A step of a decode, a 5-token chain and a 3-node draft tree over 2 KV heads x 2 query heads each, fp32: the
-    kernel's attention within 1e-5 of the reference and its RoPE + store equal to apply_rope + write_kv."""
+    kernel's attention within 1e-5 of the reference and its RoPE + store equal to apply_rope + write_kv, in fp32 and
+    bf16, rotating every dim of a head or half of them (a partial rotary factor)."""
     from shared.ops.paged_attention import write_kv
     from shared.ops.rope import apply_rope
     from shared.tree import ancestor_mask
@@ -88,8 +89,8 @@ def _agrees() -> bool:
                           rtol=1e-5, atol=1e-5):
         return False
     qkv = torch.randn(10, (h + 2 * kvh) * dh, generator=g)
-    cos, sin = torch.randn(10, dh, generator=g), torch.randn(10, dh, generator=g)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, rot in [(d, r) for d in (torch.float32, torch.bfloat16) for r in (dh, dh // 2)]:   # partial rotary
+        cos, sin = torch.randn(10, rot, generator=g), torch.randn(10, rot, generator=g)
         x, c, s = qkv.to(dtype), cos.to(dtype), sin.to(dtype)
         k1, v1, k2, v2 = kc.to(dtype), vc.to(dtype), kc.to(dtype), vc.to(dtype)
         qr, kr, v = x.split([h * dh, kvh * dh, kvh * dh], dim=-1)
@@ -105,12 +106,12 @@ def _agrees() -> bool:
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slots: torch.Tensor, h: int, kvh: int, dh: int) -> None:
-    """qkv [T, (H + 2 KVH) Dh] (contiguous rows): q and k rotated in place by cos / sin [T, Dh] (the qkv dtype),
-    then k and v stored at slots [T] of the caches [NB, BS, KVH, Dh]."""
+    """qkv [T, (H + 2 KVH) Dh] (contiguous rows): q and k rotated in place by cos / sin [T, R] (the qkv dtype; R <
+    Dh: partial rotary, the first R dims), then k and v stored at slots [T] of the caches [NB, BS, KVH, Dh]."""
     t = qkv.shape[0]
     if t == 0:
         return
-    _lib().upesi_rope_store(qkv.data_ptr(), t, qkv.stride(0), h, kvh, dh, cos.contiguous().data_ptr(),
+    _lib().upesi_rope_store(qkv.data_ptr(), t, qkv.stride(0), h, kvh, dh, cos.shape[-1], cos.contiguous().data_ptr(),
                             sin.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                             int(qkv.dtype == torch.bfloat16))
 

@@ -14,7 +14,7 @@
 typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
                         uint16_t *, int64_t, int);
 typedef void (*norm_fn)(const void *, int64_t, int64_t, int64_t, const void *, float, void *, int);
-typedef void (*rope_fn)(void *, int64_t, int64_t, int, int, int, const void *, const void *, void *, void *,
+typedef void (*rope_fn)(void *, int64_t, int64_t, int, int, int, int, const void *, const void *, void *, void *,
                         const int64_t *, int);
 typedef void (*attn_fn)(const void *, int64_t, void *, int64_t, const void *, const void *, const int64_t *, int64_t,
                         int, const int64_t *, const int64_t *, int64_t, int, int, int, float, int, int64_t, int64_t,
@@ -78,11 +78,11 @@ static void add_rows(uint16_t *x, const uint16_t *a, int64_t n) {
 
 enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, WINDOW, PER_LAYER };
 enum { F_GEMM, F_NORM, F_ROPE, F_ATTN };
-enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS };
+enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS, D_ROTARY };
 
 // x [T, D] bf16, in place: the residual stream after every layer (before the final norm).
-// fns [4]: the kernels; dims [8]; layers [L, PER_LAYER] pointers (biases may be 0) and the layer's sliding window
-// (0: none); cos, sin [T, Dh] bf16;
+// fns [4]: the kernels; dims [9]; layers [L, PER_LAYER] pointers (biases may be 0) and the layer's sliding window
+// (0: none); cos, sin [T, R] bf16 (R = dims[D_ROTARY], the rotated dims of a head: Dh, or fewer);
 // slots [T]; block_tables [B, MB]; rows [R, 5] and blocks [NB, 2]: shared.ops.cpu_attention's descriptors.
 void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *layers, float eps, float scale,
                         uint16_t *x, int64_t t, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
@@ -94,7 +94,7 @@ void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *
     attn_fn attn = (attn_fn)fns[F_ATTN];
     int64_t d = dims[D_HIDDEN], inter = dims[D_INTER];
     int h = (int)dims[D_HEADS], kvh = (int)dims[D_KV_HEADS], dh = (int)dims[D_HEAD_DIM], bs = (int)dims[D_BLOCK];
-    int threads = (int)dims[D_THREADS];
+    int threads = (int)dims[D_THREADS], rot = (int)dims[D_ROTARY];
     int64_t nqkv = (int64_t)(h + 2 * kvh) * dh, nq = (int64_t)h * dh;
     uint16_t *nx = malloc(sizeof(uint16_t) * (size_t)(t * d));            // normed rows [T, D]
     uint16_t *qkv = malloc(sizeof(uint16_t) * (size_t)(t * nqkv));        // [T, (H + 2 KVH) Dh]
@@ -106,7 +106,7 @@ void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *
         const int64_t *w = layers + l * PER_LAYER;
         norm(x, t, d, d, (const void *)w[W_NORM1], eps, nx, 1);
         gemm(nx, t, d, d, (const uint16_t *)w[W_QKV], (const uint16_t *)w[B_QKV], nqkv, qkv, nqkv, threads);
-        rope(qkv, t, nqkv, h, kvh, dh, cos, sin, (void *)w[K_CACHE], (void *)w[V_CACHE], slots, 1);
+        rope(qkv, t, nqkv, h, kvh, dh, rot, cos, sin, (void *)w[K_CACHE], (void *)w[V_CACHE], slots, 1);
         attn(qkv, nqkv, o, nq, (const void *)w[K_CACHE], (const void *)w[V_CACHE], block_tables, mb, bs, rows,
              blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows, w[WINDOW], 0.f);
         gemm(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);

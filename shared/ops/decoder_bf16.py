@@ -137,13 +137,13 @@ class DecoderStack:
                 and meta.max_query_len <= cpu_attention.MAX_ROWS)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, D] bf16 (the embeddings), cos / sin [T, Dh] bf16 -> the residual stream after the last layer
-        [T, D] (before the final norm)."""
+        """x [T, D] bf16 (the embeddings), cos / sin [T, R] bf16 (R: the rotated dims of a head) -> the residual
+        stream after the last layer [T, D] (before the final norm)."""
         x = x.contiguous()                           # updated in place: the caller's embeddings, a fresh tensor
         cos, sin = cos.contiguous(), sin.contiguous()
         rows, blocks, _, longest, widest = cpu_attention.row_descriptors(meta)
         dims = torch.tensor([len(self._layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
-                             self.block_size, torch.get_num_threads()], dtype=torch.int64)
+                             self.block_size, torch.get_num_threads(), cos.shape[-1]], dtype=torch.int64)
         bt = meta.block_tables
         self._lib.upesi_decoder_bf16(self._fns.data_ptr(), dims.data_ptr(), self._ptrs.data_ptr(), self.eps,
                                      self.scale, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),

@@ -44,24 +44,42 @@ def _yarn(dim: int, base: float, s: dict[str, Any], max_pos: int) -> tuple[torch
     return inv, mscale
 
 
-def _longrope(dim: int, base: float, s: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
-    """Phi-3's LongRoPE within the original window: the short factors divide the frequencies, and the attention
-    factor (from the ratio of the windows unless given) scales cos and sin. Past the original window transformers
-    switches every position to the long factors once a sequence grows beyond it, which a KV cache cannot follow:
-    refused."""
+def _longrope(dim: int, base: float, s: dict[str, Any], which: str) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: the `which` ("short_factor" or "long_factor") factors divide the frequencies, and the
+    attention factor (from the ratio of the windows unless given) scales cos and sin."""
     old = s["original_max_position_embeddings"]
-    if max_pos > old:
-        raise ValueError(f"LongRoPE past the original window of {old} positions is not supported; serve with "
-                         f"max_model_len <= {old}")
     factor = s.get("factor") or (s.get("max_position_embeddings") or old) / old
     mscale = s.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(old)) if factor > 1 else 1.0)
-    short = torch.tensor(s["short_factor"], dtype=torch.float64)
-    return 1.0 / (short * base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), mscale
+    ext = torch.tensor(s[which], dtype=torch.float64)
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), mscale
+
+
+def long_rope_after(scaling: dict[str, Any] | None, max_pos: int) -> int | None:
+    """LongRoPE served past its original window: that window, else None. The tables of rope_tables then hold the
+    short-factor rows, then as many long-factor rows. transformers computes a sequence on the short factors while
+    it fits the window and, once it grows past it, drops its cache and computes everything again on the long
+    factors (a prompt longer than the window is on them from the start); the engine does the same
+    (LLMEngine._switch_long_rope), and the model reads the long half of the tables for those sequences."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind != "longrope" or max_pos <= scaling["original_max_position_embeddings"]:
+        return None
+    return scaling["original_max_position_embeddings"]
 
 
 def rope_tables(head_dim: int, base: float, max_pos: int,
                 scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (cos, sin), each [max_pos, Dh], in float32."""
+    """Returns (cos, sin), each [max_pos, Dh], in float32 ([2 max_pos, Dh] for LongRoPE past its original window:
+    short-factor rows, then long-factor rows, see long_rope_after)."""
+    if long_rope_after(scaling, max_pos) is not None:
+        short = _tables(head_dim, base, max_pos, scaling, "short_factor")
+        long = _tables(head_dim, base, max_pos, scaling, "long_factor")
+        return torch.cat([short[0], long[0]]), torch.cat([short[1], long[1]])
+    return _tables(head_dim, base, max_pos, scaling, "short_factor")
+
+
+def _tables(head_dim: int, base: float, max_pos: int, scaling: dict[str, Any] | None,
+            longrope: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [max_pos, Dh]; `longrope`: the LongRoPE factors to use ("short_factor" or "long_factor")."""
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     inv, mscale = _default(head_dim, base), 1.0
     pos = torch.arange(max_pos, dtype=torch.float64)
@@ -82,7 +100,7 @@ def rope_tables(head_dim: int, base: float, max_pos: int,
     elif kind == "yarn":
         inv, mscale = _yarn(head_dim, base, scaling, max_pos)
     elif kind == "longrope":
-        inv, mscale = _longrope(head_dim, base, scaling, max_pos)
+        inv, mscale = _longrope(head_dim, base, scaling, longrope)
     elif kind != "default":
         raise ValueError(f"unsupported rope scaling type {kind!r}")
     freqs = torch.outer(pos, inv)                           # [P, Dh/2]
@@ -91,7 +109,11 @@ def rope_tables(head_dim: int, base: float, max_pos: int,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, Dh]; cos/sin [T, Dh] already gathered at the tokens' positions."""
+    """x [T, H, Dh]; cos/sin [T, R] already gathered at the tokens' positions. R < Dh (a partial rotary factor, as
+    Phi-4-mini's): the first R dims are rotated, the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -2,9 +2,11 @@
 
 Tensor names come from the `gguf` package's own name map. What the converter changes is changed here too: Llama's
 q/k rows are permuted for llama.cpp's RoPE, Llama 3's RoPE scaling becomes a `rope_freqs` tensor of per-frequency
-divisors (taken from transformers' own llama3 frequencies), Gemma's (1 + w) norm weights are stored with the 1
-added, and an MoE layer's experts are stacked into one [E, I, D] tensor per projection (as transformers keeps them
-in memory). Weights are fp32; there is no tokenizer.
+divisors (taken from transformers' own llama3 frequencies), Phi-3's LongRoPE factors become `rope_factors_long` and
+`rope_factors_short` tensors with the original window and attention factor in the metadata (and its rotated dims
+are `rope.dimension_count`, with no key length), Gemma's (1 + w) norm weights are stored with the 1 added, and an
+MoE layer's experts are stacked into one [E, I, D] tensor per projection (as transformers keeps them in memory).
+Weights are fp32; there is no tokenizer.
 """
 from __future__ import annotations
 
@@ -33,7 +35,11 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads)
+    head_dim = c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads
+    if arch == "phi3":                      # llama.cpp's converter: the rotated dims, no key length
+        w.add_rope_dimension_count(int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0)))
+    else:
+        w.add_key_length(head_dim)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)     # Gemma 3: per layer kind
     w.add_rope_freq_base(rope["rope_theta"])
     if arch == "gemma3":
@@ -74,6 +80,14 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
         plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
         w.add_tensor("rope_freqs.weight", (plain / scaled).float().numpy())
+    if arch == "phi3" and rope.get("rope_type") == "longrope":   # the 128k variants: factors as tensors
+        import math
+        old = c.original_max_position_embeddings
+        scale = c.max_position_embeddings / old
+        w.add_rope_scaling_orig_ctx_len(old)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(old)) if scale > 1 else 1.0)
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     for name, t in (extra_tensors or {}).items():
         w.add_tensor(name, t)
     w.write_header_to_file()

@@ -26,16 +26,17 @@ def _qwen3():
     return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=24, intermediate_size=96))
 
 
-def _phi3(window: int | None = 16, longrope: bool = False):
+def _phi3(window: int | None = 16, longrope: bool = False, rotary: float = 1.0):
     from transformers import Phi3Config, Phi3ForCausalLM
     extra = {}
-    if longrope:                            # the 128k variants' scaling, served within the original window
-        half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+    heads = COMMON["num_attention_heads"] if rotary == 1.0 else 2       # Phi-4-mini-like: 32-dim heads, half rotated
+    if longrope:                            # the 128k variants' scaling, past an original window of 32 positions
+        half = int(COMMON["hidden_size"] // heads * rotary) // 2
         extra = {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
                                   "long_factor": [2.0 + i for i in range(half)]},
-                 "original_max_position_embeddings": 128}
-    return Phi3ForCausalLM(Phi3Config(**COMMON, intermediate_size=96, sliding_window=window, pad_token_id=None,
-                                      **extra))
+                 "original_max_position_embeddings": 32}
+    return Phi3ForCausalLM(Phi3Config(**(COMMON | {"num_attention_heads": heads}), intermediate_size=96,
+                                      sliding_window=window, pad_token_id=None, partial_rotary_factor=rotary, **extra))
 
 
 GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
@@ -78,7 +79,8 @@ def _save(make, path):
 
 
 MAKERS = {"llama3": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
-          "phi3_longrope": lambda: _phi3(None, True), "gemma2": _gemma2, "gemma3": _gemma3}
+          "phi3_longrope": lambda: _phi3(None, True), "phi4_mini": lambda: _phi3(None, True, 0.5),
+          "gemma2": _gemma2, "gemma3": _gemma3}
 
 
 @pytest.mark.parametrize("family", list(MAKERS))
@@ -86,11 +88,12 @@ def test_logits_greedy_and_speculation_match_transformers(tmp_path, family):
     ref = _save(MAKERS[family], tmp_path)
     if family == "qwen2":
         assert ref.model.layers[0].self_attn.q_proj.bias is not None          # the biases are loaded and used
-    if family == "phi3_longrope":           # past the original window LongRoPE is refused
-        with pytest.raises(ValueError, match="LongRoPE past the original window of 128"):
-            LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64))
+    if family in ("phi3_longrope", "phi4_mini"):   # 120 positions scored: all on the long factors, as in transformers
+        assert eng_long_rope(tmp_path) == 32
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16,
                                  max_model_len=128))
+    if family == "phi4_mini":               # a partial rotary factor: 16 of each head's 32 dims rotated
+        assert eng.model_cfg.rotary_dim == 16 and eng.runner.model.rope_cos.shape[-1] == 16
     ids = torch.randint(1, 110, (120,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         expect = ref(torch.tensor([ids])).logits[0]
@@ -104,6 +107,30 @@ def test_logits_greedy_and_speculation_match_transformers(tmp_path, family):
                                      speculative="ngram", num_speculative_tokens=3, max_model_len=128))
     assert [o[0] for o in spec.generate(PROMPTS, params)] == want
     assert spec.stats_draft > 0                                             # prompt lookup did propose
+
+
+def eng_long_rope(path) -> int | None:
+    return LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64)).runner.model.long_rope_after
+
+
+def test_longrope_past_the_original_window_matches_transformers(tmp_path):
+    """Phi-3's LongRoPE with an original window of 32: prompts under it whose outputs cross it (transformers moves
+    each later token to the long factors), a prompt over it (all on the long factors), one that ends exactly at it,
+    greedy and with n-gram speculation (verification rows across the switch). A prompt's blocks computed with one
+    set of factors are not reused for a prompt on the other (same tokens, 33 against 20 of them)."""
+    ref = _save(lambda: _phi3(None, True), tmp_path)
+    ids = torch.randint(1, 110, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompts = PROMPTS + [ids, ids[:32], ids[:20], ids[:33]]
+    want = hf_greedy(ref, prompts, tokens=40)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16))
+    assert eng.runner.model.long_rope_after == 32
+    got = [o[0] for p in prompts for o in eng.generate([p], params)]   # one at a time: the cache serves later ones
+    assert got == want
+    spec = build_engine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16,
+                                     speculative="ngram", num_speculative_tokens=3))
+    assert [o[0] for o in spec.generate(prompts, params)] == want
+    assert spec.stats_draft > 0
 
 
 def _qwen2_windowed():
@@ -203,15 +230,24 @@ def test_gguf_files_match_transformers(tmp_path, family):
     assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 24)
 
 
-def test_a_phi3_gguf_with_longrope_factors_is_refused_by_name(tmp_path):
-    """The 128k Phi-3 variants' GGUF files carry LongRoPE factor tensors, which this loader does not read: refused
-    with a message that names the way that works (the Hugging Face folder), never served with the wrong RoPE."""
-    import gguf
+@pytest.mark.parametrize("rotary", [1.0, 0.5])
+def test_a_phi3_gguf_with_longrope_factors_matches_transformers(tmp_path, rotary):
+    """The 128k Phi-3 variants' GGUF files carry the LongRoPE factors as rope_factors_long / _short tensors and the
+    original window and attention factor in the metadata (as llama.cpp's converter writes them): read back into
+    the scaling, the file serves past its 32-position window as the model it came from. With a partial rotary
+    factor (Phi-4-mini) the file's rope.dimension_count is the rotated dims, not the head dim."""
     torch.manual_seed(0)
-    ref = MAKERS["phi3"]().eval()
+    ref = _phi3(None, True, rotary).eval()
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(8)
     path = tmp_path / "phi3.gguf"
-    half = ref.config.hidden_size // ref.config.num_attention_heads // 2
-    write_gguf(ref, "phi3", path, extra_tensors={
-        gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight": torch.ones(half).numpy()})
-    with pytest.raises(ValueError, match="LongRoPE.*Hugging Face folder"):
-        LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=8))
+    write_gguf(ref, "phi3", path)
+    eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16))
+    assert eng.long_rope_after == 32
+    assert (eng.model_cfg.head_dim, eng.model_cfg.rotary_dim) == ((16, 16) if rotary == 1.0 else (32, 16))
+    ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        expect = ref(torch.tensor([ids])).logits[0]
+    assert (eng.score(ids) - expect).abs().max().item() < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 40)

@@ -17,12 +17,14 @@ pytestmark = pytest.mark.skipif(not decoder_bf16.available(), reason="needs AVX5
 NB, BS = 48, 16
 
 
-def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None = None) -> LlamaForCausalLM:
+def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None = None,
+               rotary: float = 1.0) -> LlamaForCausalLM:
     cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=96, intermediate_size=200, num_layers=3,
                       num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                       max_position_embeddings=512, attention_bias=attention_bias, mlp_bias=attention_bias,
                       extra={"sliding_window": window, "layer_types": ["sliding_attention", "full_attention",
-                                                                       "sliding_attention"]})
+                                                                       "sliding_attention"],
+                             "partial_rotary_factor": rotary})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg, 512)
     with torch.no_grad():
@@ -62,17 +64,19 @@ def caches(model: LlamaForCausalLM, seed: int) -> list[tuple[torch.Tensor, torch
             for _ in model.layers]
 
 
-@pytest.mark.parametrize("bias,window", [(False, None), (True, None), (False, 7)])
+@pytest.mark.parametrize("bias,window,rotary", [(False, None, 1.0), (True, None, 1.0), (False, 7, 1.0),
+                                                (False, None, 0.5)])                  # 0.5: partial rotary
 @pytest.mark.parametrize("lens,qlens,trees", [
     ([37], [1], {}),                                                    # one decode
     ([37, 5, 60, 20], [1, 1, 1, 1], {}),                                # a batch of decodes
     ([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]}),         # a decode, a tree, a short prefill chunk
 ])
-def test_stack_equals_modules_bit_for_bit(bias, window, lens, qlens, trees, monkeypatch):
+def test_stack_equals_modules_bit_for_bit(bias, window, rotary, lens, qlens, trees, monkeypatch):
     # with AMX, calls of more than 4 rows go to oneDNN in both paths; here every call stays on the rows kernel
     monkeypatch.setattr(rows_gemm_bf16, "AMX_ROWS", 64)
     monkeypatch.setattr(decoder_bf16, "max_rows", lambda: 64)
-    model = tiny_model(attention_bias=bias, window=window)
+    model = tiny_model(attention_bias=bias, window=window, rotary=rotary)
+    assert model.rope_cos.shape[-1] == int(16 * rotary)
     assert [layer.self_attn.window for layer in model.layers] == [window, None, window]
     kv_stack, kv_mod = caches(model, 1), caches(model, 1)
     pos, meta = step(lens, qlens, trees)
