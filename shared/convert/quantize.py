@@ -175,9 +175,14 @@ def _weight_bytes(cfg: ModelConfig, units: dict, chosen: dict[str, pol.Precision
 
 def _our_names(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors under the names our model's layers have (Mixtral's block_sparse_moe.experts.E.w1 ->
-    mlp.experts.E.gate_proj, ...), the names the policy, the precisions and the written config use."""
+    mlp.experts.E.gate_proj, Phi-3's qkv_proj -> q/k/v_proj, ...), the names the policy, the precisions and the
+    written config use."""
     from shared.model.registry import ARCHITECTURES
-    renames = getattr(ARCHITECTURES[cfg.architecture], "_RENAMES", ())
+    cls = ARCHITECTURES[cfg.architecture]
+    renames = getattr(cls, "_RENAMES", ())
+    split = getattr(cls, "split_fused", None)           # Phi-3's fused qkv / gate_up: one tensor per projection
+    if split is not None:
+        weights = split(weights, cfg)
     for name, w in weights:
         for old, new in renames:
             name = name.replace(old, new)

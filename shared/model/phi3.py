@@ -14,22 +14,26 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        c = self.cfg
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    @staticmethod
+    def split_fused(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's fused qkv_proj [(H + 2 KVH) Dh, D] and gate_up_proj [2I, D] (gate first) as the Llama
+        names q/k/v_proj and gate/up_proj (also what `upesi quantize` reads, so each gets its own NVFP4 scales)."""
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for name, w in weights:
+            if name.endswith("self_attn.qkv_proj.weight"):
+                for part, t in zip(("q_proj", "k_proj", "v_proj"), w.split([q, kv, kv])):
+                    yield name.replace("qkv_proj", part), t
+            elif name.endswith("mlp.gate_up_proj.weight"):
+                for part, t in zip(("gate_proj", "up_proj"), w.chunk(2)):
+                    yield name.replace("gate_up_proj", part), t
+            else:
+                yield name, w
 
-        def split() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, w in weights:
-                if name.endswith("self_attn.qkv_proj.weight"):              # [(H + 2 KVH) Dh, D]
-                    for part, t in zip(("q_proj", "k_proj", "v_proj"), w.split([q, kv, kv])):
-                        yield name.replace("qkv_proj", part), t
-                elif name.endswith("mlp.gate_up_proj.weight"):             # [2I, D]: gate, then up
-                    for part, t in zip(("gate_proj", "up_proj"), w.chunk(2)):
-                        yield name.replace("gate_up_proj", part), t
-                else:
-                    yield name, w
-        super().load_weights(split())
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self.split_fused(weights, self.cfg))

@@ -251,3 +251,46 @@ def test_a_phi3_gguf_with_longrope_factors_matches_transformers(tmp_path, rotary
     assert (eng.score(ids) - expect).abs().max().item() < 1e-4
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 40)
+
+
+def _dequantised_reference(src, precisions: dict[str, str]):
+    """transformers' model of `src` with every weight `upesi quantize` made NVFP4 replaced by its dequantised
+    value, computed here with shared.quant.nvfp4 (Phi-3's fused qkv / gate_up: each projection on its own
+    scales), the embedding and LM head rounded to bf16."""
+    from shared.quant.nvfp4 import quantise_weight
+    c = src.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    state = {k: v.clone() for k, v in src.state_dict().items()}
+    for key, w in state.items():
+        if key.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+            parts = w.split([q, kv, kv]) if "qkv" in key else w.chunk(2)
+            state[key] = torch.cat([quantise_weight(t).dequantise() for t in parts])
+        elif precisions.get(key.removesuffix(".weight")) == "nvfp4":
+            state[key] = quantise_weight(w).dequantise()
+        elif precisions.get(key.removesuffix(".weight")) == "bf16":
+            state[key] = w.bfloat16().float()
+    ref = type(src)(c).eval()
+    ref.load_state_dict(state)
+    return ref
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi4_mini", "gemma2"])
+def test_nvfp4_checkpoints_of_the_families_match_the_dequantised_reference(tmp_path, family):
+    """`upesi quantize` on Qwen2 (biases), Qwen3 (q/k norms), a Phi-4-mini-like model (fused qkv and gate_up in the
+    checkpoint, partial rotary, LongRoPE) and Gemma 2: every linear layer NVFP4, served in fp32 against transformers
+    on the dequantised weights."""
+    from shared.convert.quantize import quantize
+    from shared.quant.nvfp4_module import NVFP4Linear
+    src = _save(MAKERS[family], tmp_path / "src")
+    result = quantize(str(tmp_path / "src"), str(tmp_path / "q"), progress=False)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path / "q"), progress=False, num_kv_blocks=64, device="cpu"))
+    layer = eng.runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, NVFP4Linear) and isinstance(layer.mlp.gate_up_proj, NVFP4Linear)
+    ref = _dequantised_reference(src, result.layer_precisions)
+    ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        expect = ref(torch.tensor([ids])).logits[0]
+    assert (eng.score(ids) - expect).abs().max().item() < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 16)
