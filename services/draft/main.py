@@ -22,7 +22,7 @@ async def serve(cfg: DraftConfig) -> None:
     from services.draft.proposer_service import DraftState
     from services.draft.servicer import DraftServicer
     from services.draft.target_link import TargetLinks
-    from shared import telemetry, torch_thread
+    from shared import telemetry
     from shared.engine.config import resolve_device, resolve_dtype, serving_dtype
     from shared.metrics import serve_metrics
     from shared.rpc.channel import client_tls_from, server_tls_from, set_client_tls
@@ -34,13 +34,14 @@ async def serve(cfg: DraftConfig) -> None:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(serving_dtype(cfg.dtype, device), device)
 
-    def build():                                     # on the thread that will run every proposal
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        return make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, dtype, device, cfg.max_model_len,
+    # Built, like every proposal after, on this event loop's thread: the one torch thread of the process (a second
+    # one would get its own OpenMP team: shared/engine/async_engine.py). A proposal runs inline between the stream's
+    # messages; handing it to a worker thread and back cost 3-5% of single-stream tokens/s (docs/performance.md).
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    proposer = make_proposer(cfg.proposer, cfg.kv_blocks, cfg.block_size, dtype, device, cfg.max_model_len,
                              target_path=cfg.model, draft_confidence=cfg.draft_confidence,
                              draft_tree_nodes=cfg.draft_tree_nodes, draft_tree_ngram=cfg.draft_tree_ngram)
-    proposer = torch_thread.call(build)
     links = TargetLinks(DraftState(proposer))
     service = Service("upesi.v1.Draft", DraftServicer(links, cfg.allowed_targets()),
                       draft_pb2_grpc.add_DraftServicer_to_server)

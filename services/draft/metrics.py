@@ -18,7 +18,7 @@ OPEN_REQUESTS = Gauge("upesi_draft_requests", "Requests this draft is driving no
 
 
 def propose(state: DraftState, deltas: list[SeqDelta], released: list[str]) -> list[Proposal]:
-    """DraftState.propose, timed and counted (runs on a worker thread)."""
+    """DraftState.propose, timed and counted."""
     BATCH_SEQS.observe(len(deltas))
     with PROPOSE_SECONDS.time():
         proposals = state.propose(deltas, released)

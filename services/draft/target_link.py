@@ -16,7 +16,7 @@ import grpc
 from services.draft import metrics
 from services.draft.codec import deltas_from_pb, proposals_to_pb
 from services.draft.proposer_service import DraftState
-from shared import telemetry, torch_thread
+from shared import telemetry
 from shared.engine.proposal import NO_PROPOSAL
 from shared.errors import PeerUnavailable
 from shared.rpc.channel import aio_channel, keepalive_options
@@ -52,7 +52,7 @@ class TargetLink:
                 kind = down.WhichOneof("kind")
                 if kind == "propose":
                     if down.step == 0:                                   # releases only
-                        await torch_thread.run(self._release, [self._key(k) for k in down.propose.released])
+                        self._release([self._key(k) for k in down.propose.released])
                     else:
                         await self._answer(down)
                 elif kind == "output":
@@ -74,10 +74,10 @@ class TargetLink:
             self.closed = True
             for q in self.requests.values():
                 q.put_nowait(err)
-            await torch_thread.run(self._release, list(self.keys))     # the target forgets them too
+            self._release(list(self.keys))                            # the target forgets them too
 
     async def _answer(self, down: target_pb2.VerifyDown) -> None:
-        """One target step's verdicts -> the next proposals (computed off the event loop, in order). A step that
+        """One target step's verdicts -> the next proposals (computed here, on the loop's thread). A step that
         fails here is answered with no proposals (those sequences decode one token), never by ending the stream."""
         released = [self._key(k) for k in down.propose.released]
         try:
@@ -86,7 +86,7 @@ class TargetLink:
                 d.key = self._key(d.key)
             self.keys.update(d.key for d in deltas)
             with telemetry.span_from("draft propose", down.traceparent, {"upesi.seqs": len(deltas)}):
-                proposals = await torch_thread.run(metrics.propose, self.state, deltas, released)
+                proposals = metrics.propose(self.state, deltas, released)     # inline: see services/draft/main.py
         except Exception:
             log.exception("proposing for %d sequences of %s failed; answering with none", len(down.propose.seqs),
                           self.address)

@@ -4,7 +4,10 @@ Callers `generate()` (an async iterator of Delta) and `abort()`. Requests and ab
 thread through a queue; deltas come back with loop.call_soon_threadsafe. The engine thread sleeps when idle.
 
 Give it a factory rather than a built engine where the caller is a service: the engine is then built on the
-engine thread, so that one thread runs every torch operation of the process (shared.torch_thread says why).
+engine thread, so that one thread runs every torch operation of the process. libgomp (the OpenMP runtime of torch's
+CPU builds) gives every thread that opens parallel regions its own team of workers, and once a process holds more
+OpenMP threads than cores the workers sleep between regions instead of spinning, so a step then waits for them
+dozens of times (a decode step on a second thread took about twice as long: docs/performance.md).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Every torch operation of a service on one thread: the target's engine is built on its engine thread, the draft
-service's proposer on shared.torch_thread's (shared/torch_thread.py says why)."""
+"""Every torch operation of a service on one thread: the target's engine is built on its engine thread
+(shared/engine/async_engine.py says why); the draft service builds and runs its proposer on its event loop's."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from shared import torch_thread
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -44,12 +43,3 @@ def test_a_failing_factory_raises_to_the_caller():
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(build)
-
-
-def test_torch_thread_runs_calls_in_order_on_one_thread():
-    seen = [torch_thread.call(threading.get_ident)]
-
-    async def many() -> list[int]:
-        return list(await asyncio.gather(*(torch_thread.run(threading.get_ident) for _ in range(8))))
-    seen += asyncio.run(many())
-    assert len(set(seen)) == 1 and seen[0] != threading.get_ident()
