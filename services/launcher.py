@@ -318,6 +318,7 @@ def main(args: argparse.Namespace) -> None:
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
                 *model, *threads, *registry, *experts, *spec, *quant, *cfg.kv_store_args(f"target-{i}", decode=True),
+                *(["--capture-hidden"] if (cfg.draft or "").startswith("eagle:") else []),
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         for i, address in enumerate(cfg.prefill_addresses()):

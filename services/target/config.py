@@ -57,6 +57,11 @@ class TargetConfig(options.TLS):
     draft_tree_nodes: int | None = options.draft_tree_nodes()
     draft_tree_ngram: int | None = options.draft_tree_ngram()
     nvfp4_act_quant: bool = options.nvfp4_act_quant()
+    capture_hidden: bool = option(False, "keep every position's last hidden state beside its KV from the start "
+                                         "(about 5% more memory than the KV cache), so that a prefix cached before "
+                                         "an EAGLE draft service first connects still gives its head the prompt's "
+                                         "features (otherwise kept from that moment on). `upesi serve --draft "
+                                         "eagle:DIR` turns it on")
     draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
                                          "Verify stream; past it those requests decode without drafts for 5 s")
     registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (default: none)")

@@ -112,6 +112,8 @@ async def serve(cfg: TargetConfig) -> None:
 
     def build() -> LLMEngine:                        # on the engine thread, which runs every step after
         engine = build_engine(cfg.engine_config())
+        if cfg.capture_hidden:
+            engine.runner.capture_hidden()
         attached.append(_attach_expert_shards(cfg, engine))
         return engine
     engine_cls = TracedAsyncEngine if telemetry.ENABLED else AsyncEngine

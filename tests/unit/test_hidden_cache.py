@@ -57,3 +57,18 @@ def test_blocks_computed_before_capture_are_not_handed_out(tiny):
     assert eng.runner.cached_hidden(hit.block_table, 36) is None        # computed before capture began
     got = eng.runner.cached_hidden(fresh.block_table, 24)               # computed while capturing
     assert got is not None and torch.allclose(got, eng.hidden_states([list(range(3, 30))])[0][:24], atol=1e-4)
+
+
+def test_capture_from_the_start_keeps_the_features_of_plainly_computed_prefixes(tiny):
+    """`upesi target --capture-hidden` (what `upesi serve --draft eagle:...` asks for): capture begins with the
+    engine, so a prefix a plain request computed before any EAGLE draft connected still has its features."""
+    eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=64, block_size=4))
+    eng.runner.capture_hidden()                                         # as services/target/main.py does
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng.generate([PROMPTS[5]], params)                                  # plain: no proposer at all
+    eng.add_request("hit", PROMPTS[5], params)
+    eng.step()
+    hit = eng.requests["hit"][0]
+    assert hit.num_cached_tokens == 36
+    got = eng.runner.cached_hidden(hit.block_table, 36)
+    assert got is not None and torch.allclose(got, eng.hidden_states([PROMPTS[5]])[0][:36], atol=1e-4)
