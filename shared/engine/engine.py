@@ -117,9 +117,9 @@ class LLMEngine:
         if need > self.block_manager.num_blocks:
             raise InvalidRequest(f"the prompt needs {need} KV blocks but the cache has only "
                                  f"{self.block_manager.num_blocks} in all (block size {self.cfg.block_size})")
-        extra = cache_extra(self.model_cfg.name, params.cache_salt)
         long_rope = self.long_rope_after is not None and len(prompt) > self.long_rope_after
-        seqs = [Sequence(request_id, i, prompt, params, extra + LONG_ROPE * long_rope) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, prompt, params, self._cache_extra(prompt, params.cache_salt))
+                for i in range(params.n)]
         for s in seqs:
             s.long_rope, s.trace_ctx = long_rope, trace_ctx
         self.requests[request_id] = seqs
@@ -248,7 +248,7 @@ class LLMEngine:
         does not: what a decode target needs to skip the prefill this engine computed (the last prompt token is
         always computed there, so its block is not included when it is full)."""
         bm = self.block_manager
-        hashes = hash_chain(prompt, bm.block_size, cache_extra(self.model_cfg.name, cache_salt),
+        hashes = hash_chain(prompt, bm.block_size, self._cache_extra(prompt, cache_salt),
                             max_blocks=(len(prompt) - 1) // bm.block_size)
         blocks = []
         for h in hashes:
@@ -317,6 +317,12 @@ class LLMEngine:
         group.beams, group.scores = beams, [c.score for c in choices]
         self.requests[request_id] = beams
         return []
+
+    def _cache_extra(self, prompt: list[int], cache_salt: str) -> bytes:
+        """What a new sequence's block hashes carry besides its tokens: the model, the cache salt, and whether
+        LongRoPE puts it on the long factors (a prompt longer than the window)."""
+        extra = cache_extra(self.model_cfg.name, cache_salt)
+        return extra + LONG_ROPE if self.long_rope_after is not None and len(prompt) > self.long_rope_after else extra
 
     def _one_pass_rope(self, seq: Sequence) -> None:
         """A sequence computed in one pass (score, hidden_states): on LongRoPE's long factors when it is longer than
