@@ -309,6 +309,9 @@ def main(args: argparse.Namespace) -> None:
                 "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model,
                 "--num-threads", str(cfg.draft_num_threads)])
             procs.append(_child(restartable[len(procs)][2], env))
+        # an EAGLE head in the draft service reads every prompt's hidden states, also of prefixes cached before it
+        # first connected and of blocks a prefill target computed
+        hidden = ["--capture-hidden"] if (cfg.draft or "").startswith("eagle:") else []
         for i, address in enumerate(cfg.target_addresses()):
             metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0
             # a target is restarted too: it loses its running requests and its cache, the router routes around
@@ -318,7 +321,7 @@ def main(args: argparse.Namespace) -> None:
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
                 *model, *threads, *registry, *experts, *spec, *quant, *cfg.kv_store_args(f"target-{i}", decode=True),
-                *(["--capture-hidden"] if (cfg.draft or "").startswith("eagle:") else []),
+                *hidden,
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         for i, address in enumerate(cfg.prefill_addresses()):
@@ -329,7 +332,7 @@ def main(args: argparse.Namespace) -> None:
                 *(["--kv-store-sync"] if cfg.kv_transfer == "store" else []),
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *threads, *experts, *quant, *cfg.kv_store_args(f"prefill-{i}"),
+                *model, *threads, *experts, *quant, *cfg.kv_store_args(f"prefill-{i}"), *hidden,
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         for address in cfg.prefill_addresses():      # the router uses a prefill target once it answers
