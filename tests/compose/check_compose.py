@@ -155,6 +155,14 @@ class Compose:
         return out
 
 
+def started_services(compose: Compose) -> set[str]:
+    """The services a plain `up` starts: those in no profile (compose v1's `config --services` lists every one,
+    the `pd` profile's prefill target included)."""
+    import yaml
+    spec = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    return {s for s in compose("config", "--services").stdout.split() if not spec.get(s, {}).get("profiles")}
+
+
 def state(cid: str) -> dict:
     return json.loads(sh("docker", "inspect", cid).stdout)[0]["State"]
 
@@ -297,7 +305,7 @@ def main() -> int:
         compose = Compose(env)
         with stage("5. up"):
             compose("up", "-d", "--no-build", timeout=a.timeout + 120)
-            services = set(compose("config", "--services").stdout.split())
+            services = started_services(compose)
             wait_healthy(compose, services, a.timeout)
             print(f"   healthy: {', '.join(sorted(services))}; router on 127.0.0.1:{grpc_port} and :{http_port}")
         with stage("6. checks"):
