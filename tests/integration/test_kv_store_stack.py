@@ -109,17 +109,22 @@ def metric_ok(port: int) -> bool:
         return False
 
 
+def greedy_equals(s: Stack, expect: list[list[int]]) -> None:
+    """The chat prompts' greedy tokens through the stack equal `expect`, the decode target with cached tokens."""
+    with grpc.insecure_channel(s.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        for prompt, ref in zip(CHAT_PROMPTS, expect):
+            r = ask(stub, prompt, system="", max_tokens=GREEDY_TOKENS)
+            assert list(r.choices[0].token_ids) == ref
+            assert r.usage.cached_tokens >= 16
+
+
 def test_prefill_decode_disaggregation_equals_transformers(redis, hf_greedy, tmp_path):
     s = Stack(tmp_path, ["--prefill-replicas", "1", "--kv-transfer", "store", "--kv-store", redis.url,
                          "--speculative", "ngram"])
     try:
         s.wait_ready()
-        with grpc.insecure_channel(s.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            for prompt, ref in zip(CHAT_PROMPTS, hf_greedy):
-                r = ask(stub, prompt, system="", max_tokens=GREEDY_TOKENS)
-                assert list(r.choices[0].token_ids) == ref
-                assert r.usage.cached_tokens >= 16
+        greedy_equals(s, hf_greedy)
         decode, prefill = s.metrics_port, s.metrics_port + 1
         assert metric(decode, 'upesi_kv_store_hits_total{tier="redis"}') >= len(CHAT_PROMPTS)
         assert metric(decode, "upesi_spec_draft_tokens_total") > 0             # speculation on the decode side
@@ -140,12 +145,7 @@ def test_prefill_decode_with_direct_transfer_equals_transformers(hf_greedy, tmp_
     s = Stack(tmp_path, ["--prefill-replicas", "1", "--speculative", "ngram"])        # direct: the default
     try:
         s.wait_ready()
-        with grpc.insecure_channel(s.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            for prompt, ref in zip(CHAT_PROMPTS, hf_greedy):
-                r = ask(stub, prompt, system="", max_tokens=GREEDY_TOKENS)
-                assert list(r.choices[0].token_ids) == ref
-                assert r.usage.cached_tokens >= 16
+        greedy_equals(s, hf_greedy)
         decode, prefill = s.metrics_port, s.metrics_port + 1
         # the chat template's first block is shared: after the first prompt, one block a prompt comes from the host
         assert metric(decode, 'upesi_kv_store_hits_total{tier="host"}') >= len(CHAT_PROMPTS)

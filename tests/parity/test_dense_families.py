@@ -202,7 +202,11 @@ GGUF_MAKERS = {"llama": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3
                "gemma2": lambda: _gemma2(query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True),
                # Gemma 3 as llama.cpp reads it: every 6th layer global, the local RoPE base 10000
                "gemma3": lambda: _gemma3(10000.0, query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True,
-                                         num_hidden_layers=6, layer_types=None)}
+                                         num_hidden_layers=6, layer_types=None),
+               # the 128k variants: LongRoPE factors as rope_factors_long / _short tensors, the original window (32
+               # here) and attention factor in the metadata; Phi-4-mini's rope.dimension_count is its rotated dims
+               "phi3_longrope": lambda: _phi3(None, True), "phi4_mini": lambda: _phi3(None, True, 0.5)}
+GGUF_ARCH = {"phi3_longrope": "phi3", "phi4_mini": "phi3"}             # the file's architecture, where not the key
 
 
 @pytest.mark.parametrize("family", list(GGUF_MAKERS))
@@ -213,44 +217,26 @@ def test_gguf_files_match_transformers(tmp_path, family):
     and Gemma 3 (its q/k norms stored as 1 + w too, every 6th layer global with linear RoPE scaling, the local
     layers on their own base) written as GGUF with gguf's tensor names (q/k rows unpermuted, as llama.cpp's
     converter leaves them), loaded and run against the model they came from; the 60-token prompt crosses every
-    window."""
+    window. Phi-3's LongRoPE (factor tensors) and Phi-4-mini's partial rotary, past a 32-position window."""
     torch.manual_seed(0)
     ref = GGUF_MAKERS[family]().eval()
     with torch.no_grad():
         ref.lm_head.weight.mul_(8)
     path = tmp_path / f"{family}.gguf"
-    write_gguf(ref, family, path)
+    arch = GGUF_ARCH.get(family, family)
+    write_gguf(ref, arch, path)
     eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16))
-    assert eng.model_cfg.architecture == {"gemma3": "gemma3_text"}.get(family, family)
+    assert eng.model_cfg.architecture == {"gemma3": "gemma3_text"}.get(arch, arch)
+    if arch == "phi3":
+        c = eng.model_cfg
+        assert (eng.long_rope_after, c.head_dim, c.rotary_dim) == {"phi3": (None, 16, 16), "phi4_mini": (32, 32, 16),
+                                                                   "phi3_longrope": (32, 16, 16)}[family]
     ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         expect = ref(torch.tensor([ids])).logits[0]
     assert (eng.score(ids) - expect).abs().max().item() < 1e-4
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 24)
-
-
-@pytest.mark.parametrize("rotary", [1.0, 0.5])
-def test_a_phi3_gguf_with_longrope_factors_matches_transformers(tmp_path, rotary):
-    """The 128k Phi-3 variants' GGUF files carry the LongRoPE factors as rope_factors_long / _short tensors and the
-    original window and attention factor in the metadata (as llama.cpp's converter writes them): read back into
-    the scaling, the file serves past its 32-position window as the model it came from. With a partial rotary
-    factor (Phi-4-mini) the file's rope.dimension_count is the rotated dims, not the head dim."""
-    torch.manual_seed(0)
-    ref = _phi3(None, True, rotary).eval()
-    with torch.no_grad():
-        ref.lm_head.weight.mul_(8)
-    path = tmp_path / "phi3.gguf"
-    write_gguf(ref, "phi3", path)
-    eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16))
-    assert eng.long_rope_after == 32
-    assert (eng.model_cfg.head_dim, eng.model_cfg.rotary_dim) == ((16, 16) if rotary == 1.0 else (32, 16))
-    ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.inference_mode():
-        expect = ref(torch.tensor([ids])).logits[0]
-    assert (eng.score(ids) - expect).abs().max().item() < 1e-4
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 40)
 
 
 def _dequantised_reference(src, precisions: dict[str, str]):
