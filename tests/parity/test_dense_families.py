@@ -196,6 +196,17 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=8))
 
 
+def assert_matches(eng: LLMEngine, ref, tokens: int) -> None:
+    """The engine against transformers' `ref`: teacher-forced logits of a 60-token prompt within 1e-4, and
+    `tokens` greedy tokens of each of PROMPTS equal."""
+    ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        expect = ref(torch.tensor([ids])).logits[0]
+    assert (eng.score(ids) - expect).abs().max().item() < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, tokens)
+
+
 GGUF_MAKERS = {"llama": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
                # as every Gemma 2: tied embeddings, and query_pre_attn_scalar = head dim (a GGUF file does not carry
                # it; llama.cpp takes the head dim, but for the 27B)
@@ -231,12 +242,7 @@ def test_gguf_files_match_transformers(tmp_path, family):
         c = eng.model_cfg
         assert (eng.long_rope_after, c.head_dim, c.rotary_dim) == {"phi3": (None, 16, 16), "phi4_mini": (32, 32, 16),
                                                                    "phi3_longrope": (32, 16, 16)}[family]
-    ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.inference_mode():
-        expect = ref(torch.tensor([ids])).logits[0]
-    assert (eng.score(ids) - expect).abs().max().item() < 1e-4
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 24)
+    assert_matches(eng, ref, 24)
 
 
 def _dequantised_reference(src, precisions: dict[str, str]):
@@ -274,9 +280,4 @@ def test_nvfp4_checkpoints_of_the_families_match_the_dequantised_reference(tmp_p
     layer = eng.runner.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, NVFP4Linear) and isinstance(layer.mlp.gate_up_proj, NVFP4Linear)
     ref = _dequantised_reference(src, result.layer_precisions)
-    ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.inference_mode():
-        expect = ref(torch.tensor([ids])).logits[0]
-    assert (eng.score(ids) - expect).abs().max().item() < 1e-4
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 16)
+    assert_matches(eng, ref, 16)
