@@ -117,7 +117,7 @@ class LLMEngine:
         if need > self.block_manager.num_blocks:
             raise InvalidRequest(f"the prompt needs {need} KV blocks but the cache has only "
                                  f"{self.block_manager.num_blocks} in all (block size {self.cfg.block_size})")
-        long_rope = self.long_rope_after is not None and len(prompt) > self.long_rope_after
+        long_rope = self._past_window(len(prompt))
         seqs = [Sequence(request_id, i, prompt, params, self._cache_extra(prompt, params.cache_salt))
                 for i in range(params.n)]
         for s in seqs:
@@ -318,16 +318,20 @@ class LLMEngine:
         self.requests[request_id] = beams
         return []
 
+    def _past_window(self, length: int) -> bool:
+        """Whether `length` tokens lie past LongRoPE's original window (False for every other model)."""
+        return self.long_rope_after is not None and length > self.long_rope_after
+
     def _cache_extra(self, prompt: list[int], cache_salt: str) -> bytes:
         """What a new sequence's block hashes carry besides its tokens: the model, the cache salt, and whether
         LongRoPE puts it on the long factors (a prompt longer than the window)."""
         extra = cache_extra(self.model_cfg.name, cache_salt)
-        return extra + LONG_ROPE if self.long_rope_after is not None and len(prompt) > self.long_rope_after else extra
+        return extra + LONG_ROPE if self._past_window(len(prompt)) else extra
 
     def _one_pass_rope(self, seq: Sequence) -> None:
         """A sequence computed in one pass (score, hidden_states): on LongRoPE's long factors when it is longer than
         the window, as transformers' forward over it is."""
-        if self.long_rope_after is not None and len(seq) > self.long_rope_after:
+        if self._past_window(len(seq)):
             seq.long_rope = True
             seq.cache_extra += LONG_ROPE
 
@@ -336,7 +340,7 @@ class LLMEngine:
         window has its whole KV computed again on the long factors (transformers drops its cache there), once;
         its blocks then hash apart from the short-factor ones."""
         for seq in list(self.scheduler.running):
-            if not seq.long_rope and len(seq) > self.long_rope_after:
+            if not seq.long_rope and self._past_window(len(seq)):
                 self.scheduler.recompute(seq)
                 seq.long_rope = True
                 seq.cache_extra += LONG_ROPE

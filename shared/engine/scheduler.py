@@ -94,15 +94,14 @@ class Scheduler:
     def recompute(self, seq: Sequence) -> None:
         """Frees a running sequence's blocks and queues it first to be computed again from its tokens (its KV must
         change: LongRoPE switching to the long factors); not counted as a preemption."""
-        self._preempt(seq)
-        self.num_preemptions -= 1
-
-    def _preempt(self, seq: Sequence) -> None:
         seq.drop_speculation()
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.recompute(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
