@@ -58,3 +58,41 @@ def test_an_olmoe_gguf_file_matches_transformers(tmp_path):
     assert _logits_diff(ref, eng)[1] < 1e-4
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 16)
+
+
+def test_an_olmoe_nvfp4_checkpoint_matches_the_dequantised_reference(tmp_path):
+    """`upesi quantize` on OLMoE (transformers stores its 64 experts fused, [E, 2I, D] and [E, D, I]): each
+    expert's gate, up and down projections NVFP4 on their own scales, served in fp32 against transformers on
+    weights dequantised here, expert by expert, with shared.quant.nvfp4."""
+    from shared.convert.quantize import quantize
+    from shared.quant.nvfp4 import quantise_weight
+    from shared.quant.nvfp4_module import NVFP4Linear
+    src = save_tiny(tmp_path / "src", "olmoe")
+    prec = quantize(str(tmp_path / "src"), str(tmp_path / "q"), progress=False).layer_precisions
+    c = src.config
+    experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(c.num_hidden_layers)
+               for e in range(c.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+    assert {prec[name] for name in experts} == {"nvfp4"}
+    eng = _engine(tmp_path / "q")
+    assert isinstance(eng.runner.model.layers[0].mlp.experts[63].gate_up_proj, NVFP4Linear)
+
+    def dq(w: torch.Tensor) -> torch.Tensor:
+        return quantise_weight(w).dequantise()
+
+    state = {k: v.clone() for k, v in src.state_dict().items()}
+    for key, w in state.items():
+        if key.endswith("experts.gate_up_proj"):                         # [E, 2I, D]: gate rows, then up rows
+            state[key] = torch.stack([torch.cat([dq(g), dq(u)]) for g, u in (x.chunk(2) for x in w)])
+        elif key.endswith("experts.down_proj"):                          # [E, D, I]
+            state[key] = torch.stack([dq(x) for x in w])
+        elif prec.get(key.removesuffix(".weight")) == "nvfp4":
+            state[key] = dq(w)
+        elif prec.get(key.removesuffix(".weight")) == "bf16":
+            state[key] = w.bfloat16().float()
+    ref = type(src)(c).eval()
+    ref.load_state_dict(state)
+    ids, diff = _logits_diff(ref, eng)
+    print(f"olmoe nvfp4: max |logits - dequantised transformers| = {diff:.2e}")
+    assert diff < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 16)
