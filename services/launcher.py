@@ -21,6 +21,7 @@ from shared.engine.config import (
     check_tree_ngram,
     check_tree_shape,
     check_wide_threads,
+    parse_hf_overrides,
 )
 from shared.rpc import internal_token
 
@@ -29,6 +30,7 @@ DIRECT_HOST_GB = 1.0          # a decode target's host tier for P/D with direct 
 @dataclass(slots=True)
 class ServeConfig:
     model: str | None = options.model()
+    hf_overrides: str | None = options.hf_overrides()
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (default: the model's file or "
                                                  "folder name without extension or quantisation suffix)")
     address: str = option("127.0.0.1:50051", "router gRPC address (the public API)")
@@ -95,6 +97,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        parse_hf_overrides(self.hf_overrides)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
@@ -257,6 +260,7 @@ def main(args: argparse.Namespace) -> None:
     # (never on a command line, where `ps` shows it); a value set beforehand is kept
     os.environ.setdefault(internal_token.ENV, secrets.token_hex(32))
     model = ["--model", cfg.model] if cfg.model else []
+    overrides = ["--hf-overrides", cfg.hf_overrides] if cfg.hf_overrides else []     # the targets' models
     threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
     threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []
     procs: list[subprocess.Popen] = []
@@ -320,7 +324,8 @@ def main(args: argparse.Namespace) -> None:
                 "target", "--address", address, "--replica-id", address,
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *threads, *registry, *experts, *spec, *quant, *cfg.kv_store_args(f"target-{i}", decode=True),
+                *model, *overrides, *threads, *registry, *experts, *spec, *quant,
+                *cfg.kv_store_args(f"target-{i}", decode=True),
                 *hidden,
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
@@ -332,7 +337,7 @@ def main(args: argparse.Namespace) -> None:
                 *(["--kv-store-sync"] if cfg.kv_transfer == "store" else []),
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *threads, *experts, *quant, *cfg.kv_store_args(f"prefill-{i}"), *hidden,
+                *model, *overrides, *threads, *experts, *quant, *cfg.kv_store_args(f"prefill-{i}"), *hidden,
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         for address in cfg.prefill_addresses():      # the router uses a prefill target once it answers

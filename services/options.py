@@ -134,3 +134,10 @@ class TLS(ServerTLS):
     tls_client_cert: str | None = option(None, "mTLS: the client certificate (PEM) presented to the services this "
                                                "one calls")
     tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
+
+
+def hf_overrides() -> Any:
+    return option(None, "model config keys to put over the checkpoint's, as a JSON object (vLLM's --hf-overrides): "
+                        "e.g. '{\"sliding_window\": 4096}' for a Mistral 7B v0.1 GGUF file, which does not carry "
+                        "its window. A GGUF file takes config field names (num_hidden_layers, rope_theta, ...) and "
+                        "family fields (sliding_window, ...)")

@@ -44,7 +44,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         tp = _base_type(hints[f.name])
         env = f"UPESI_{f.name.upper()}"
         default = os.environ.get(env, f.default)
-        help_text = f"{f.metadata.get('help', '')} (env {env}; default: %(default)s)"
+        text = f.metadata.get("help", "").replace("%", "%%")                 # argparse formats help with %
+        help_text = f"{text} (env {env}; default: %(default)s)"
         flag = "--" + f.name.replace("_", "-")
         if tp is bool:
             parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=_parse_bool(default),

@@ -14,6 +14,7 @@ from shared.engine.config import (
     check_tree_ngram,
     check_tree_shape,
     check_wide_threads,
+    parse_hf_overrides,
     resolve_device,
     serving_dtype,
 )
@@ -24,6 +25,7 @@ class TargetConfig(options.TLS):
     address: str = option("127.0.0.1:50061", "gRPC listen address")
     metrics_port: int = option(8061, "Prometheus /metrics port (0 = off)")
     model: str | None = options.model()
+    hf_overrides: str | None = options.hf_overrides()
     device: str = option("auto", "cpu, cuda, or auto")
     dtype: str = options.dtype()
     block_size: int = option(16, "tokens per KV block")
@@ -78,6 +80,7 @@ class TargetConfig(options.TLS):
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        parse_hf_overrides(self.hf_overrides)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
@@ -101,4 +104,5 @@ class TargetConfig(options.TLS):
     def engine_config(self) -> EngineConfig:
         """The engine's settings: every EngineConfig field this config has, with "auto" dtype resolved here."""
         own = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if hasattr(self, f.name)}
-        return EngineConfig(**own | {"dtype": serving_dtype(self.dtype, resolve_device(self.device))})
+        return EngineConfig(**own | {"dtype": serving_dtype(self.dtype, resolve_device(self.device)),
+                                     "hf_overrides": parse_hf_overrides(self.hf_overrides)})

@@ -1,6 +1,7 @@
 """The engine's own settings (the target service's config carries them)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from shared.tree import MAX_TREE_NODES
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None              # .gguf file or Hugging Face folder; None = the default model
+    hf_overrides: dict | None = None      # config keys put over the checkpoint's (shared.model.loader.load_config)
     device: str = "auto"                  # auto = cuda when present, else cpu
     dtype: str = "float32"                # exact against fp32 references; "auto" as the services' --dtype auto
     block_size: int = 16                  # tokens per KV block
@@ -139,3 +141,16 @@ def serving_dtype(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     return "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
+
+
+def parse_hf_overrides(text: str | None) -> dict | None:
+    """--hf-overrides: a JSON object of config keys and values -> the dict (None when unset); ValueError otherwise."""
+    if text is None or not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hf_overrides is not valid JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"hf_overrides must be a JSON object such as '{{\"sliding_window\": 4096}}', got {text!r}")
+    return value

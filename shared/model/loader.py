@@ -6,11 +6,13 @@ from either.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,11 +24,14 @@ from shared.model_files import ModelNotFound, file_version, is_gguf
 Weights = Iterator[tuple[str, torch.Tensor]]
 
 
-def load_config(path: str) -> ModelConfig:
+def load_config(path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """The checkpoint's config, with `overrides` (vLLM's --hf-overrides: config.json keys and their values) put
+    over it. A GGUF file has no config.json: there a key names a ModelConfig field (by its name or its Hugging Face
+    name, e.g. num_hidden_layers) or else a family field (ModelConfig.extra, e.g. sliding_window)."""
     if is_gguf(path):
-        return _gguf_config(path)
+        return _override(_gguf_config(path), overrides or {})
     with open(os.path.join(path, "config.json")) as f:
-        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+        cfg = ModelConfig.from_hf(json.load(f) | (overrides or {}), name=os.path.basename(os.path.normpath(path)))
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):
         with open(gen) as f:
@@ -94,6 +99,21 @@ def _reader(path: str, mtime_ns: int, size: int):
     import gguf
 
     return gguf.GGUFReader(path)
+
+
+_HF_FIELDS = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+              "num_key_value_heads": "num_kv_heads"}
+
+
+def _override(cfg: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
+    own = {f.name for f in dataclasses.fields(ModelConfig)} - {"architecture", "name", "extra"}
+    for key, value in overrides.items():
+        name = _HF_FIELDS.get(key, key)
+        if name in own:
+            setattr(cfg, name, value)
+        else:
+            cfg.extra[key] = value
+    return cfg
 
 
 def _gguf_config(path: str) -> ModelConfig:

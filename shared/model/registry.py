@@ -54,10 +54,11 @@ def check_architecture(path: str) -> None:
 
 
 def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                progress: bool = True) -> tuple[nn.Module, ModelConfig]:
-    """Builds the registered architecture for the checkpoint at `path` and loads its weights."""
+                progress: bool = True, overrides: dict[str, Any] | None = None) -> tuple[nn.Module, ModelConfig]:
+    """Builds the registered architecture for the checkpoint at `path` (its config with `overrides`,
+    shared.model.loader.load_config) and loads its weights."""
     check_architecture(path)
-    cfg = load_config(path)
+    cfg = load_config(path, overrides)
     factory = ARCHITECTURES[cfg.architecture]
     with torch.device("meta"):
         model = factory(cfg, max_len)

@@ -187,6 +187,31 @@ def test_mistral_without_a_window(tmp_path):
     eng = LLMEngine(EngineConfig(model=str(tmp_path / "full"), progress=False, num_kv_blocks=64))
     out = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert [o[0] for o in out] == hf_greedy(ref, PROMPTS)
+    windowed = LLMEngine(EngineConfig(model=str(tmp_path / "full"), progress=False, num_kv_blocks=64,
+                                      hf_overrides={"sliding_window": 16}))   # a folder's config.json, overridden
+    assert [layer.self_attn.window for layer in windowed.runner.model.layers] == [16] * 3
+
+
+def test_a_mistral_gguf_file_takes_its_window_from_hf_overrides(tmp_path):
+    """Mistral 7B v0.1's GGUF files are written as llama.cpp's `llama`, without the 4096-token window: served as
+    they are, they attend to everything. `hf_overrides` (--hf-overrides '{"sliding_window": 16}' on target and
+    serve) puts the window back, and the file then matches transformers' Mistral past its window."""
+    torch.manual_seed(0)
+    ref = _mistral(16).eval()
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(8)
+    path = tmp_path / "mistral.gguf"
+    write_gguf(ref, "llama", path)
+    plain = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16))
+    assert [layer.self_attn.window for layer in plain.runner.model.layers] == [None] * 3
+    eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16,
+                                 hf_overrides={"sliding_window": 16}))
+    assert [layer.self_attn.window for layer in eng.runner.model.layers] == [16] * 3
+    ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        expect = ref(torch.tensor([ids])).logits[0]
+    assert (plain.score(ids) - expect).abs().max().item() > 1e-2          # full attention differs past 16
+    assert_matches(eng, ref, 24)
 
 
 def test_an_unknown_family_names_the_supported_ones(tmp_path):

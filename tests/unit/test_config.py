@@ -42,6 +42,27 @@ def test_cli_help_lists_every_command(capsys):
         assert cmd in out
 
 
+@pytest.mark.parametrize("command", ["serve", "generate", "router", "target", "draft", "experts", "quantize"])
+def test_every_command_has_a_help_page(capsys, command):
+    """Each command's --help renders every flag's text (argparse formats it: a bare % would break it)."""
+    from services.cli import build_parser
+    with pytest.raises(SystemExit) as done:
+        build_parser(only=command).parse_args([command, "--help"])
+    assert done.value.code == 0
+    assert f"usage: upesi {command}" in capsys.readouterr().out
+
+
+def test_hf_overrides_are_a_json_object():
+    from shared.engine.config import parse_hf_overrides
+    from services.target.config import TargetConfig
+    cfg = parse(TargetConfig, ["--hf-overrides", '{"sliding_window": 4096}'])
+    assert cfg.engine_config().hf_overrides == {"sliding_window": 4096}
+    assert parse(TargetConfig, []).engine_config().hf_overrides is None
+    for bad in ("[1]", "{sliding_window: 4}", '"x"'):
+        with pytest.raises(ValueError, match="hf_overrides"):
+            parse_hf_overrides(bad)
+
+
 def test_served_model_names_are_clean():
     from shared.model_files import served_name
     assert served_name("/opt/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
