@@ -23,7 +23,7 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
     NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains;
     NAME+N speculates only while at most N sequences run, --speculative-max-seqs N; NAME*N runs the target's
     steps over 4 or more rows on N threads, --wide-threads N, e.g. plain*1 against the default of --wide-threads;
-    NAME=DIR drafts with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head)
+    NAME^N gives the draft service N torch threads, --draft-num-threads N (e.g. eagle-draft^2); NAME=DIR drafts with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -61,11 +61,12 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str, wide_thre
     """A configuration's `upesi serve` flags; NAME:DTYPE overrides --dtype for that one (e.g. plain:float32),
     NAME@X sets --draft-confidence X (e.g. eagle-draft@0: always the K drafts asked for), NAME/N sets
     --draft-tree-nodes N (e.g. eagle-draft/0: chains), NAME+N --speculative-max-seqs N, NAME*N --wide-threads N
-    (else the bench's --wide-threads), NAME=DIR the head in DIR."""
+    (else the bench's --wide-threads), NAME^N --draft-num-threads N, NAME=DIR the head in DIR."""
     name, _, other = name.partition("=")
     head = other or head
     name, _, own = name.partition(":")
     name, _, wide = name.partition("*")
+    name, _, draft_threads = name.partition("^")
     name, _, max_seqs = name.partition("+")
     name, _, nodes = name.partition("/")
     name, _, conf = name.partition("@")
@@ -77,7 +78,8 @@ def serve_args(name: str, head: str, k: int, threads: int, dtype: str, wide_thre
         base += ["--draft-tree-nodes", nodes]
     if max_seqs:
         base += ["--speculative-max-seqs", max_seqs]
-    draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
+    draft = ["--draft", f"eagle:{head}", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}",
+             *(["--draft-num-threads", draft_threads] if draft_threads else [])]
     ngram_draft = ["--draft", "ngram", "--draft-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}"]
     fixed = name.endswith("-fixed")                     # always K drafts (--adaptive-speculation false)
     name = name.removesuffix("-fixed")
