@@ -2,8 +2,8 @@
 
 Shows: a prompt one target replica computed is served by the other with `cached_tokens` read from the store; a target
 killed and restarted with an empty cache gets the prefix back from Redis; prefill/decode disaggregation (a prefill
-target writes the prompt's blocks, the decode target reads them and decodes, with n-gram speculation) gives
-transformers' greedy tokens, with the blocks handed over through Redis or sent directly over gRPC; the targets
+target writes the prompt's blocks, the decode target reads them and decodes, with n-gram speculation, or with an
+EAGLE draft service when the blocks are sent directly over gRPC) gives transformers' greedy tokens; the targets
 export the store's metrics.
 """
 from __future__ import annotations
@@ -26,10 +26,14 @@ pytestmark = pytest.mark.slow
 SYSTEM = "You are a meticulous assistant for a library who answers in full sentences. " * 10
 
 
-def ask(stub, question: str, system: str = SYSTEM, max_tokens: int = 4) -> pb.GenerateResponse:
+def ask(stub, question: str, system: str = SYSTEM, max_tokens: int = 4, k: int | None = None
+        ) -> pb.GenerateResponse:
     messages = [pb.ChatMessage(role="system", content=system)] if system else []
-    return stub.Generate(pb.GenerateRequest(messages=messages + [pb.ChatMessage(role="user", content=question)],
-                                            max_tokens=max_tokens, temperature=0), timeout=120)
+    req = pb.GenerateRequest(messages=messages + [pb.ChatMessage(role="user", content=question)],
+                             max_tokens=max_tokens, temperature=0)
+    if k is not None:
+        req.num_speculative_tokens = k
+    return stub.Generate(req, timeout=120)
 
 
 class Busy:
@@ -109,12 +113,12 @@ def metric_ok(port: int) -> bool:
         return False
 
 
-def greedy_equals(s: Stack, expect: list[list[int]]) -> None:
+def greedy_equals(s: Stack, expect: list[list[int]], k: int | None = None) -> None:
     """The chat prompts' greedy tokens through the stack equal `expect`, the decode target with cached tokens."""
     with grpc.insecure_channel(s.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         for prompt, ref in zip(CHAT_PROMPTS, expect):
-            r = ask(stub, prompt, system="", max_tokens=GREEDY_TOKENS)
+            r = ask(stub, prompt, system="", max_tokens=GREEDY_TOKENS, k=k)
             assert list(r.choices[0].token_ids) == ref
             assert r.usage.cached_tokens >= 16
 
@@ -141,16 +145,18 @@ def test_prefill_decode_disaggregation_equals_transformers(redis, hf_greedy, tmp
 
 
 def test_prefill_decode_with_direct_transfer_equals_transformers(hf_greedy, tmp_path):
-    """No store: the prefill target sends the prompt's blocks to the decode target's host tier (PutBlocks)."""
-    s = Stack(tmp_path, ["--prefill-replicas", "1", "--speculative", "ngram"])        # direct: the default
+    """No store: the prefill target sends the prompt's blocks, with the hidden-state rows an EAGLE head reads, to
+    the decode target's host tier (PutBlocks); the decode target verifies an EAGLE draft service's trees."""
+    s = Stack(tmp_path, ["--prefill-replicas", "1", "--draft", "eagle:models/eagle-smollm2-135m"])   # direct
     try:
         s.wait_ready()
-        greedy_equals(s, hf_greedy)
+        greedy_equals(s, hf_greedy, k=4)
         decode, prefill = s.metrics_port, s.metrics_port + 1
         # the chat template's first block is shared: after the first prompt, one block a prompt comes from the host
         assert metric(decode, 'upesi_kv_store_hits_total{tier="host"}') >= len(CHAT_PROMPTS)
         assert metric(decode, 'upesi_kv_store_bytes_total{direction="received"}') > 0
         assert metric(prefill, 'upesi_kv_store_bytes_total{direction="sent"}') > 0
-        assert metric(decode, "upesi_spec_draft_tokens_total") > 0
+        # the draft service's trees were verified on the decode target, and some of them accepted
+        assert metric(decode, "upesi_spec_accepted_tokens_total") > 0
     finally:
         assert s.stop() == 0
