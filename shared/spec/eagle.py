@@ -44,6 +44,7 @@ class EagleConfig:
     draft_vocab_size: int           # N, rows of the id map
     max_position: int = 8192
     post_norm: bool = False         # features after the target's final norm (EAGLE-1); False: before it
+    rotary_dim: int | None = None   # the rotated dims of a head, as its target's (None: all of head_dim)
 
     @classmethod
     def read(cls, folder: str) -> "EagleConfig":
@@ -68,8 +69,8 @@ class EagleHead(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.mlp = MLP(d, cfg.intermediate_size)
         self.register_buffer("id_map", torch.arange(cfg.draft_vocab_size))       # [N] reduced -> full id
-        cos, sin = rope_tables(dh, cfg.rope_theta, cfg.max_position, None)
-        self.register_buffer("rope_cos", cos, persistent=False)                 # [P, Dh]
+        cos, sin = rope_tables(cfg.rotary_dim or dh, cfg.rope_theta, cfg.max_position, None)
+        self.register_buffer("rope_cos", cos, persistent=False)                 # [P, R], R = rotated dims
         self.register_buffer("rope_sin", sin, persistent=False)
         # The target's parts, attached by `attach_target` (not saved with the head).
         self.embed: torch.Tensor | None = None          # [V, D]
@@ -177,7 +178,8 @@ def head_config_for(target_cfg, draft_vocab_size: int, post_norm: bool = False) 
                        num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
                        head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps,
                        rope_theta=target_cfg.rope_theta, vocab_size=target_cfg.vocab_size,
-                       draft_vocab_size=draft_vocab_size, max_position=target_cfg.max_position_embeddings)
+                       draft_vocab_size=draft_vocab_size, max_position=target_cfg.max_position_embeddings,
+                       rotary_dim=target_cfg.rotary_dim if target_cfg.rotary_dim != target_cfg.head_dim else None)
 
 
 def load_target_parts(path: str | None, dtype: torch.dtype, device: torch.device

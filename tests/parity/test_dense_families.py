@@ -214,6 +214,26 @@ def test_a_mistral_gguf_file_takes_its_window_from_hf_overrides(tmp_path):
     assert_matches(eng, ref, 24)
 
 
+def test_an_eagle_head_for_a_partial_rotary_target(tmp_path):
+    """A head shaped for a Phi-4-mini-like target (head_config_for) rotates the dims its target rotates (half of
+    each head here), also once saved and loaded; its trees, verified in process, give transformers' greedy tokens."""
+    from shared.model.loader import load_config
+    from shared.spec.eagle import EagleHead, head_config_for
+    ref = _save(MAKERS["phi4_mini"], tmp_path / "target")
+    cfg = load_config(str(tmp_path / "target"))
+    torch.manual_seed(0)
+    head = EagleHead(head_config_for(cfg, 64))
+    assert head.rope_cos.shape[-1] == cfg.rotary_dim == cfg.head_dim // 2
+    head.save(str(tmp_path / "head"))
+    assert EagleHead.load(str(tmp_path / "head"), torch.float32, torch.device("cpu")).rope_cos.shape[-1] == 16
+    eng = build_engine(EngineConfig(model=str(tmp_path / "target"), progress=False, num_kv_blocks=64, block_size=16,
+                                    speculative=f"eagle:{tmp_path / 'head'}", num_speculative_tokens=3,
+                                    draft_confidence=0.0, draft_tree_nodes=6))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 24)
+    assert eng.stats_draft > 0
+
+
 def test_an_unknown_family_names_the_supported_ones(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
