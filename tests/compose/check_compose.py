@@ -16,7 +16,10 @@ Stages (each printed with its duration):
      streamed), /health and /metrics over HTTP;
   7. faults: SIGKILL to the expert shard experts-0 and to the draft: requests keep being answered (the other shard
      holds every FFN unit; the target decodes without drafts) and both containers come back (restart policy);
-  8. down: `docker-compose down -v`, then no container, network or volume of the project is left.
+  8. prefill/decode: the `pd` profile's prefill target started beside the running stack (`--profile pd up -d
+     target-prefill`); the router takes it up, prompts are prefilled there and their blocks sent to the target
+     (the two targets' byte counters, read inside their containers);
+  9. down: `docker-compose --profile pd down -v`, then no container, network or volume of the project is left.
 
     .venv/bin/python tests/compose/check_compose.py [--keep-images] [--official-images] [--timeout 900]
 
@@ -264,7 +267,37 @@ def kill_and_recover(compose: Compose, grpc_port: int, services: list[str], time
         raise Failed("no answer after the restarts")
 
 
-# ---------------------------------------------------------------- 8: down
+# ---------------------------------------------------------------- 8: prefill/decode (the pd profile)
+def metric_in(cid: str, port: int, series: str) -> float:
+    """A Prometheus series' sum read inside a container (the targets' metrics ports are not published)."""
+    code = (f"import urllib.request; t = urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=10)"
+            f".read().decode(); print(sum(float(x.split()[-1]) for x in t.splitlines() if x.startswith({series!r})))")
+    return float(sh("docker", "exec", cid, "python", "-c", code).stdout.strip())
+
+
+def check_prefill_decode(compose: Compose, grpc_port: int, timeout: float) -> None:
+    compose("--profile", "pd", "up", "-d", "--no-build", "target-prefill", timeout=timeout + 120)
+    wait_healthy(compose, {"target-prefill"}, timeout)
+    found = compose.containers()
+    sent, received = ('upesi_kv_store_bytes_total{direction="sent"}',
+                      'upesi_kv_store_bytes_total{direction="received"}')
+    deadline, tries = time.monotonic() + 120, 0
+    while metric_in(found["target-prefill"], 8061, sent) <= 0:        # the router joins it once it answers Info
+        if time.monotonic() > deadline:
+            raise Failed(f"the prefill target sent no blocks after {tries} requests")
+        tries += 1                                                     # a new prefix each time: no cache hit
+        prompt = f"Request {tries}. " + "Summarise the history of the printing press in Europe. " * 6
+        text, n = generate_with_reflection(f"127.0.0.1:{grpc_port}", prompt, 8)
+        if n < 1:
+            raise Failed(f"empty answer with the prefill target up: {text!r}")
+    got = metric_in(found["target"], 8061, received)
+    if got <= 0:
+        raise Failed("the prefill target sent blocks but the target received none")
+    print(f"   prefill target joined; after {tries} requests it had sent "
+          f"{metric_in(found['target-prefill'], 8061, sent):.0f} bytes of KV blocks, the target received {got:.0f}")
+
+
+# ---------------------------------------------------------------- 9: down
 def leftovers() -> list[str]:
     label = f"label=com.docker.compose.project={PROJECT}"
     found = []
@@ -312,6 +345,8 @@ def main() -> int:
             check_api(grpc_port, http_port)
         with stage("7. faults"):
             kill_and_recover(compose, grpc_port, ["experts-0", "draft"], a.timeout)
+        with stage("8. prefill/decode (profile pd)"):
+            check_prefill_decode(compose, grpc_port, a.timeout)
         ok = True
     except Failed as e:
         print(f"FAILED: {e}", flush=True)
@@ -319,8 +354,8 @@ def main() -> int:
             print(compose("logs", "--no-color", "--tail", "40", check=False).stdout[-20000:])
     finally:
         if compose is not None:
-            with stage("8. down"):
-                compose("down", "-v", "--remove-orphans", check=False)
+            with stage("9. down"):
+                compose("--profile", "pd", "down", "-v", "--remove-orphans", check=False)
                 left = leftovers()
                 if left:
                     print(f"FAILED: left behind: {left}")
