@@ -132,7 +132,7 @@ def measure_stacks(args) -> dict[str, dict[str, dict[str, float]]]:
                 for j in range(n):
                     i = ((rnd * n + j) * batch) % len(PROMPTS)
                     for name in order:
-                        w, t, a = run_batch(stubs[name], (PROMPTS * 2)[i:i + batch], args.tokens, None)
+                        w, t, a = run_batch(stubs[name], (PROMPTS * 2)[i:i + batch], args.tokens, args.request_k)
                         acc = sums[name][batch]
                         acc[0], acc[1], acc[2] = acc[0] + w, acc[1] + t, acc[2] + a
         return {name: {f"b{b}": {"tok_s": t / w, "tau": t / max(1, t - a)} for b, (w, t, a) in per.items()}
@@ -205,6 +205,9 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["plain", "eagle-draft", "eagle-inproc"])
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the configurations")
     p.add_argument("--dtype", default="auto", help="the stacks' --dtype (auto: bf16 on CPUs with native bf16)")
+    p.add_argument("--request-k", type=int, default=None,
+                   help="num_speculative_tokens sent with every request (default: unset, so the router's guard "
+                        "decides whether a request alone speculates; set it to measure the speculative path itself)")
     args = p.parse_args()
     from shared.spec.eagle_proposer import SERVING
 

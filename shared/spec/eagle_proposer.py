@@ -52,7 +52,8 @@ class DraftPolicy:
     --draft-tree-nodes, --draft-tree-ngram). Serving settings, not part of a head: the values are the ones measured
     best for the default model's head (docs/eagle-head.md)."""
     confidence: float = 0.15        # stop a draft once the head's probability of its path falls below this
-    tree_nodes: int = 8             # tree nodes per step, shared by the step's greedy sequences (0: chains)
+    tree_nodes: int = 5             # tree nodes per step, shared by the step's greedy sequences (0: chains);
+    # with the root, 6 rows to verify: one pass of the bf16 rows kernel's 6-row tiles over the weights
     tree_width: int = 8             # candidates kept per depth of a tree
     tree_ngram: int = 4             # graft prompt lookup's continuation of up to this many tokens onto each tree
 
