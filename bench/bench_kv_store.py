@@ -6,7 +6,8 @@
 Starts its own redis-server on a free port. Part 1, in process, the default model and dtype: the time to the first
 token of a prompt of --prompt-tokens tokens
   - on an engine without a store (recompute),
-  - on an engine with the store, whose blocks are not there yet (recompute + background writes),
+  - on an engine with the store, whose blocks are not there yet (recompute + background writes), and the same
+    with --kv-store-write-policy write_back (recompute; blocks are written only when the cache evicts them),
   - on a fresh engine whose prompt blocks another engine wrote to the store (read them, compute the last partial
     block), each with its own cache salt per repetition so nothing is reused from the local cache,
   - on an engine started after another wrote the prompt's blocks to the same disk directory (a restart).
@@ -53,14 +54,19 @@ def in_process(a: argparse.Namespace, url: str) -> dict:
     plain = LLMEngine(EngineConfig(**cfg))
     writer = LLMEngine(EngineConfig(**cfg, kv_store=url))
     reader = LLMEngine(EngineConfig(**cfg, kv_store=url))
+    lazy = LLMEngine(EngineConfig(**cfg, kv_store=url, kv_store_write_policy="write_back"))
     vocab = plain.model_cfg.vocab_size
     ids = torch.randint(100, vocab - 1, (a.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     ttft(plain, ids[:64], "warm")
     ttft(reader, ids[:64], "warm")
-    rows: dict[str, list[float]] = {"no store": [], "store, miss": [], "store, hit": []}
+    ttft(lazy, ids[:64], "warm")
+    rows: dict[str, list[float]] = {"no store": [], "store, miss": [], "store, miss, write_back": [],
+                                    "store, hit": []}
     for rep in range(a.reps):
         rows["no store"].append(ttft(plain, ids, f"plain-{rep}"))
         rows["store, miss"].append(ttft(reader, ids, f"miss-{rep}"))
+        reader.kv_store.flush()
+        rows["store, miss, write_back"].append(ttft(lazy, ids, f"lazy-{rep}"))
         ttft(writer, ids, f"hit-{rep}")
         writer.kv_store.flush()
         rows["store, hit"].append(ttft(reader, ids, f"hit-{rep}"))
@@ -81,7 +87,7 @@ def in_process(a: argparse.Namespace, url: str) -> dict:
     out = {k: statistics.median(v) for k, v in rows.items()}
     out["bytes_per_token"] = len(value) / layout.block_size
     out["dtype"] = str(layout.dtype).removeprefix("torch.")
-    for e in (plain, writer, reader):
+    for e in (plain, writer, reader, lazy):
         e.close()
     return out
 
@@ -133,7 +139,7 @@ def main() -> None:
             print(f"\nTime to first token of a {a.prompt_tokens}-token prompt, in process ({r['dtype']}), median "
                   f"of {a.reps}:")
             base = r["no store"]
-            for k in ("no store", "store, miss", "store, hit", "disk, hit after a restart"):
+            for k in ("no store", "store, miss", "store, miss, write_back", "store, hit", "disk, hit after a restart"):
                 print(f"  {k:26s} {r[k] * 1000:9.1f} ms   {r[k] / base:5.2f}x")
             print(f"  store bytes per token: {r['bytes_per_token']:.0f}")
         if not a.skip_pd:

@@ -21,6 +21,7 @@ from shared.engine.config import (
     check_tree_ngram,
     check_tree_shape,
     check_wide_threads,
+    check_write_policy,
     parse_hf_overrides,
 )
 from shared.rpc import internal_token
@@ -48,6 +49,7 @@ class ServeConfig:
     kv_disk_dir: str | None = option(None, "local-disk tier of the KV block store: a directory; target replica i "
                                            "writes its blocks under DIR/target-i (default: none)")
     kv_disk_gb: float = options.kv_disk_gb()
+    kv_store_write_policy: str = options.kv_store_write_policy()
     prefill_replicas: int = option(0, "prefill-only targets (prefill/decode disaggregation): the router has each "
                                       "prompt computed on one of them, which hands its KV blocks to the decode "
                                       "target (--kv-transfer). They listen on the ports after the expert shards'")
@@ -110,6 +112,7 @@ class ServeConfig:
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
         check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
+        check_write_policy(self.kv_store_write_policy)
         if self.prefill_replicas < 0:
             raise ValueError(f"prefill_replicas must be >= 0, got {self.prefill_replicas}")
         options.check_kv_transfer(self.kv_transfer)
@@ -141,7 +144,8 @@ class ServeConfig:
     def kv_store_args(self, name: str, decode: bool = False) -> list[str]:
         """The block store flags of one target (`name`: its own sub-directory of the disk tier). A decode target
         of P/D with direct transfer keeps a host tier where prefill targets put the blocks (DIRECT_HOST_GB unless
-        --kv-host-gb says otherwise)."""
+        --kv-host-gb says otherwise). Prefill targets of P/D through the store write every block as it fills, whatever
+        the write policy of the others."""
         host = self.kv_host_gb
         if decode and self.prefill_replicas and self.kv_transfer == "direct":
             host = host or DIRECT_HOST_GB
@@ -151,6 +155,8 @@ class ServeConfig:
         if self.kv_store:
             out += ["--kv-store", self.kv_store, "--kv-store-gb", str(self.kv_store_gb),
                     "--kv-store-ttl-s", str(self.kv_store_ttl_s)]
+        if (self.kv_store or self.kv_disk_dir) and decode:
+            out += ["--kv-store-write-policy", self.kv_store_write_policy]
         return out
 
 

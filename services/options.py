@@ -90,6 +90,14 @@ def kv_disk_gb() -> Any:
     return option(10.0, "size budget of the disk tier in GiB; past it the least recently used blocks go")
 
 
+def kv_store_write_policy() -> Any:
+    return option("write_through", "when full KV blocks go to the disk tier and Redis: write_through writes every "
+                                   "block as it fills (a replica or a restarted target finds every prefix); "
+                                   "write_back only those the paged cache evicts, and on a clean stop the ones it "
+                                   "still holds (no writing while a prompt is computed; a crash loses what was "
+                                   "cached)")
+
+
 def kv_store_sync() -> Any:
     return option(False, "wait after each step until its KV blocks are in the store (the prefill targets of "
                          "prefill/decode disaggregation: the decode target reads them next)")

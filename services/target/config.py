@@ -14,6 +14,7 @@ from shared.engine.config import (
     check_tree_ngram,
     check_tree_shape,
     check_wide_threads,
+    check_write_policy,
     parse_hf_overrides,
     resolve_device,
     serving_dtype,
@@ -48,6 +49,7 @@ class TargetConfig(options.TLS):
     kv_store_gb: float = options.kv_store_gb()
     kv_store_ttl_s: float = options.kv_store_ttl_s()
     kv_store_sync: bool = options.kv_store_sync()
+    kv_store_write_policy: str = options.kv_store_write_policy()
     kv_host_gb: float = options.kv_host_gb()
     kv_disk_dir: str | None = options.kv_disk_dir()
     kv_disk_gb: float = options.kv_disk_gb()
@@ -87,6 +89,7 @@ class TargetConfig(options.TLS):
         check_speculative_max_seqs(self.speculative_max_seqs)
         check_wide_threads(self.wide_threads)
         check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
+        check_write_policy(self.kv_store_write_policy, self.kv_store_sync)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.draft_timeout_s <= 0:

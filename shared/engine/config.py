@@ -32,6 +32,7 @@ class EngineConfig:
     kv_store_gb: float = 4.0              # its size budget (least recently used blocks go first)
     kv_store_ttl_s: float = 3600.0        # each block's time to live there, renewed when read
     kv_store_sync: bool = False           # each step waits until its blocks are written (prefill-only targets)
+    kv_store_write_policy: str = "write_through"   # when blocks go to disk and Redis (WRITE_POLICIES)
     kv_host_gb: float = 0.0               # host-memory tier for blocks the KV cache evicts (0 = off)
     kv_disk_dir: str | None = None        # local-disk tier: a directory for every filled block (None = off)
     kv_disk_gb: float = 10.0              # its size budget (least recently used blocks go first)
@@ -54,6 +55,7 @@ class EngineConfig:
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
+        check_write_policy(self.kv_store_write_policy, self.kv_store_sync)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
@@ -96,6 +98,18 @@ def check_kv_store(url: str | None, budget_gb: float, ttl_s: float, host_gb: flo
         raise ValueError(f"kv_host_gb must be >= 0 (0 = off), got {host_gb}")
     if disk_gb <= 0:
         raise ValueError(f"kv_disk_gb must be positive, got {disk_gb}")
+
+
+WRITE_POLICIES = ("write_through", "write_back")    # every block as it fills / a block as it leaves the cache
+
+
+def check_write_policy(policy: str, sync: bool = False) -> None:
+    """The one check of a kv_store_write_policy setting (engine, target and serve configs)."""
+    if policy not in WRITE_POLICIES:
+        raise ValueError(f"kv_store_write_policy must be one of {', '.join(WRITE_POLICIES)}, got {policy!r}")
+    if sync and policy != "write_through":
+        raise ValueError("kv_store_sync waits for every block as it fills: it needs kv_store_write_policy "
+                         "write_through")
 
 
 def check_tree_ngram(value: int | None) -> None:

@@ -79,7 +79,8 @@ class LLMEngine:
         self.kv_store = None
         if cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir:
             self.kv_store = open_block_store(self.block_layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
-                                             cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb)
+                                             cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb,
+                                             cfg.kv_store_write_policy == "write_back")
         if self.kv_store is not None:
             self.block_manager.source = self.kv_store
             self.block_manager.track_evictions = self.kv_store.wants_evictions
@@ -269,9 +270,17 @@ class LLMEngine:
         self.kv_store.received(items)
 
     def close(self) -> None:
-        """Stops background work (the block store's writer, after its queued writes)."""
-        if self.kv_store is not None:
-            self.kv_store.close()
+        """Stops background work (the block store's writer, after its queued writes). With write_back, the blocks
+        the cache still holds are written first."""
+        if self.kv_store is None:
+            return
+        if self.kv_store.writes and self.kv_store.write_back:
+            held = list(self.block_manager.cached.items())                    # (hash, block)
+            for i in range(0, len(held), 64):
+                part = held[i:i + 64]
+                read = self.runner.read_blocks([b for _, b in part])
+                self.kv_store.stopping([(h, BlockData(kv, hid)) for (h, _), (kv, hid) in zip(part, read)])
+        self.kv_store.close()
 
     def _collect_beams(self, sampled: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Delta]:
         """Takes the beam-search rows out of `sampled`; advances every group whose beams all have their row."""

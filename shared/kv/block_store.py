@@ -1,8 +1,8 @@
 """The KV block store: full blocks kept beyond the paged cache, found again by their chain hash.
 
     engine (one thread)                               tiers
-    commit of a full block  -> write(...)  -> queue -> writer thread -> local disk (files, LRU budget)
-                                                                     -> Redis   (encode, pipelined, budget, TTL)
+    commit of a full block  -> committed(...) -> queue -> writer thread -> local disk (files, LRU budget)
+      (write_back: eviction from the cache, and a clean stop)          -> Redis   (encode, pipelined, budget, TTL)
     eviction from the cache -> evicted(...) ------------------------------> host memory (LRU, no encoding)
     blocks another target sent -> received(...) --------------------------> host memory
     prefix-cache miss       -> lookup(hashes) <- host first, then disk, then Redis, the last only while reading
@@ -40,8 +40,9 @@ WRITER_NICE = 10              # the writer thread's nice value: encoding and sen
 
 class KVBlockStore:
     def __init__(self, layout: BlockLayout, *, host_bytes: int = 0, remote: RedisTier | None = None,
-                 disk: DiskTier | None = None, max_pending_bytes: int = 256 << 20) -> None:
+                 disk: DiskTier | None = None, max_pending_bytes: int = 256 << 20, write_back: bool = False) -> None:
         self.layout = layout
+        self.write_back = write_back          # disk and Redis get blocks as the cache evicts them, not as they fill
         self.tag = layout.key_tag()
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.remote = remote
@@ -58,12 +59,17 @@ class KVBlockStore:
             self._writer.start()
 
     @property
-    def wants_commits(self) -> bool:
+    def writes(self) -> bool:
+        """Whether there is a tier that blocks are written to (disk or Redis)."""
         return self.remote is not None or self.disk is not None
 
     @property
+    def wants_commits(self) -> bool:
+        return self.writes and not self.write_back
+
+    @property
     def wants_evictions(self) -> bool:
-        return self.host is not None
+        return self.host is not None or (self.writes and self.write_back)
 
     # ---------------------------------------------------------------- reads (engine thread)
     def lookup(self, hashes: Sequence[BlockHash]) -> list[BlockData]:
@@ -133,10 +139,13 @@ class KVBlockStore:
 
     # ---------------------------------------------------------------- writes (engine thread hands over)
     def evicted(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
-        """Blocks the paged cache is about to overwrite: into host memory."""
+        """Blocks the paged cache is about to overwrite (copies): into host memory, and with write_back queued for
+        the disk and Redis tiers."""
         if self.host is not None:
             for h, block in items:
                 self.host.put(h, block)
+        if self.writes and self.write_back:
+            self._enqueue(items)
 
     def received(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
         """Blocks another target sent (prefill/decode disaggregation, direct transfer): into host memory."""
@@ -145,9 +154,19 @@ class KVBlockStore:
         metrics.KV_STORE_BYTES.labels("received").inc(sum(b.nbytes for _, b in items))
 
     def committed(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
-        """Newly filled blocks: queued for the disk and Redis tiers (unless known to be there already)."""
-        if not self.wants_commits:
-            return
+        """Newly filled blocks: queued for the disk and Redis tiers (write_through)."""
+        if self.wants_commits:
+            self._enqueue(items)
+
+    def stopping(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
+        """Some of the blocks the cache still holds at a clean stop: written to the disk and Redis tiers
+        (write_back), waiting for the writer (so that a whole cache passes under the pending-bytes bound)."""
+        if self.writes and self.write_back:
+            self._enqueue(items)
+            self.flush()
+
+    def _enqueue(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
+        """Queued for the writer, unless known to be written already or the writer is too far behind."""
         new = [(h, b) for h, b in items if h not in self._known]
         if not new:
             return
@@ -220,11 +239,12 @@ class KVBlockStore:
 
 
 def open_block_store(layout: BlockLayout, url: str | None, budget_gb: float, ttl_s: float, host_gb: float,
-                     disk_dir: str | None = None, disk_gb: float = 10.0) -> KVBlockStore | None:
+                     disk_dir: str | None = None, disk_gb: float = 10.0, write_back: bool = False
+                     ) -> KVBlockStore | None:
     """The store the settings ask for: a Redis tier when `url` is set, a host tier when host_gb > 0, a disk tier
-    when disk_dir is set; None when none is."""
+    when disk_dir is set; None when none is. write_back: disk and Redis get blocks as the cache evicts them."""
     if not url and host_gb <= 0 and not disk_dir:
         return None
     remote = RedisTier(url, budget_bytes=int(budget_gb * 2**30), ttl_s=ttl_s) if url else None
     disk = DiskTier(disk_dir, int(disk_gb * 2**30), layout.key_tag()) if disk_dir else None
-    return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote, disk=disk)
+    return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote, disk=disk, write_back=write_back)

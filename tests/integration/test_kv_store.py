@@ -209,6 +209,32 @@ def test_the_disk_tier_survives_a_restart_and_refuses_a_damaged_file(tiny_llama_
     c.close()
 
 
+def test_write_back_writes_blocks_as_they_leave_the_cache(tiny_llama_dir, tmp_path):
+    """kv_store_write_policy write_back: nothing is written while a prompt is computed; blocks the cache evicts are
+    written, and on a clean stop the ones it still holds, so a restarted target reads the whole prefix back."""
+    ids, other = prompt(11), prompt(12, 100)
+    disk = tmp_path / "kv"
+    eng = make(tiny_llama_dir, blocks=32, kv_disk_dir=str(disk), kv_store_write_policy="write_back")
+    expect, _ = run(eng, ids)
+    eng.kv_store.flush()
+    assert not list(disk.glob("*.kv"))                     # cached, so not written
+    run(eng, other)                                        # 28 blocks of 32: evicts most of the first request's
+    eng.kv_store.flush()
+    chain = set(hash_chain(ids + expect, BS, cache_extra(eng.model_cfg.name)))
+    written = {p for p in disk.glob("*.kv")}
+    assert len(written) >= 5 and written <= {eng.kv_store.disk.path(h) for h in chain}
+    eng.close()                                            # a clean stop: what the cache holds is written too
+    assert len(list(disk.glob("*.kv"))) > len(written)
+    b = make(tiny_llama_dir, kv_disk_dir=str(disk), kv_store_write_policy="write_back")
+    got, cached = run(b, ids)
+    assert got == expect and cached == (len(ids) - 1) // BS * BS
+    b.close()
+    with pytest.raises(ValueError, match="write_through"):
+        EngineConfig(kv_store_write_policy="write_back", kv_store_sync=True)
+    with pytest.raises(ValueError, match="write_back"):
+        EngineConfig(kv_store_write_policy="sometimes")
+
+
 def test_the_disk_tier_keeps_to_its_budget(tiny_llama_dir, tmp_path):
     from shared.kv.block_codec import BlockData, encode
     probe = make(tiny_llama_dir, kv_disk_dir=str(tmp_path / "probe"))
