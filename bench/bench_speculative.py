@@ -23,7 +23,8 @@ machine that slows down or speeds up shifts every configuration alike. Per confi
     NAME/N drafts trees of N nodes for greedy requests instead of the head's own setting, NAME/0 chains;
     NAME+N speculates only while at most N sequences run, --speculative-max-seqs N; NAME*N runs the target's
     steps over 4 or more rows on N threads, --wide-threads N, e.g. plain*1 against the default of --wide-threads;
-    NAME^N gives the draft service N torch threads, --draft-num-threads N (e.g. eagle-draft^2); NAME=DIR drafts with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head)
+    NAME^N gives the draft service N torch threads, --draft-num-threads N (e.g. eagle-draft^2); NAME=DIR drafts
+    with the head in DIR instead of --head, e.g. eagle-draft=/tmp/other-head)
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """

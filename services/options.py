@@ -95,7 +95,8 @@ def kv_store_write_policy() -> Any:
                                    "block as it fills (a replica or a restarted target finds every prefix); "
                                    "write_back only those the paged cache evicts, and on a clean stop the ones it "
                                    "still holds (no writing while a prompt is computed; a crash loses what was "
-                                   "cached)")
+                                   "cached); write_through_selective those it evicts and those a second request "
+                                   "reads from it (shared prefixes)")
 
 
 def kv_store_sync() -> Any:

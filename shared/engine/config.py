@@ -100,7 +100,8 @@ def check_kv_store(url: str | None, budget_gb: float, ttl_s: float, host_gb: flo
         raise ValueError(f"kv_disk_gb must be positive, got {disk_gb}")
 
 
-WRITE_POLICIES = ("write_through", "write_back")    # every block as it fills / a block as it leaves the cache
+# every block as it fills / as it leaves the cache (and at a clean stop) / as it leaves the cache or is first reused
+WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 
 
 def check_write_policy(policy: str, sync: bool = False) -> None:

@@ -80,11 +80,12 @@ class LLMEngine:
         if cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir:
             self.kv_store = open_block_store(self.block_layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
                                              cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb,
-                                             cfg.kv_store_write_policy == "write_back")
+                                             cfg.kv_store_write_policy)
         if self.kv_store is not None:
             self.block_manager.source = self.kv_store
             self.block_manager.track_evictions = self.kv_store.wants_evictions
             self.block_manager.track_commits = self.kv_store.wants_commits
+            self.block_manager.track_reuse = self.kv_store.wants_reuse
         # Every layer attends a sliding window (Mistral v0.1, Phi-3): blocks behind it go back to the pool.
         windows = [getattr(getattr(layer, "self_attn", None), "window", None) for layer in getattr(model, "layers", [])]
         self.window = min(windows) if windows and all(windows) else None
@@ -235,8 +236,15 @@ class LLMEngine:
             bm.imports.clear()
 
     def _store_commits(self) -> None:
-        """Blocks this step filled: copied out for the store's writer (the step does not wait for the write)."""
+        """Blocks this step filled, or (write_through_selective) that a new sequence matched in the cache and the
+        store does not have yet: copied out for the store's writer (the step does not wait for the write)."""
         bm = self.block_manager
+        if bm.reuses:
+            fresh = {h: b for b, h in bm.reuses if not self.kv_store.known(h)}          # hash -> block, once
+            bm.reuses.clear()
+            if fresh:
+                read = self.runner.read_blocks(list(fresh.values()))
+                self.kv_store.reused([(h, BlockData(kv, hid)) for h, (kv, hid) in zip(fresh, read)])
         if bm.commits:
             read = self.runner.read_blocks([b for b, _ in bm.commits])
             self.kv_store.committed([(h, BlockData(kv, hid)) for (_, h), (kv, hid) in zip(bm.commits, read)])
@@ -274,7 +282,7 @@ class LLMEngine:
         the cache still holds are written first."""
         if self.kv_store is None:
             return
-        if self.kv_store.writes and self.kv_store.write_back:
+        if self.kv_store.writes and self.kv_store.write_policy == "write_back":
             held = list(self.block_manager.cached.items())                    # (hash, block)
             for i in range(0, len(held), 64):
                 part = held[i:i + 64]

@@ -14,8 +14,8 @@
   copy first (copy-on-write): the copy is queued in `pending_copies` for the model runner to perform.
 - With a block store (`source`, shared.kv.block_store): a new sequence whose cached prefix ends early asks the store
   for the blocks that follow; those it gets are taken from the pool, committed at once, and queued in `imports` for
-  the model runner to fill. With `track_evictions` / `track_commits`, evicted and newly committed blocks are queued
-  in `evictions` / `commits` for the engine to copy out to the store.
+  the model runner to fill. With `track_evictions` / `track_commits` / `track_reuse`, evicted, newly committed and
+  matched cached blocks are queued in `evictions` / `commits` / `reuses` for the engine to copy out to the store.
 """
 from __future__ import annotations
 
@@ -67,10 +67,11 @@ class BlockManager:
         self.query_tokens = 0                                       # prompt tokens looked up in the cache
         self.hit_tokens = 0                                         # ... and found there (or in the store)
         self.source: BlockSource | None = None
-        self.track_evictions = self.track_commits = False
+        self.track_evictions = self.track_commits = self.track_reuse = False
         self.imports: list[tuple[BlockId, Any]] = []                # (block, contents from the source) to fill
         self.evictions: list[tuple[BlockId, BlockHash]] = []        # cached blocks about to be overwritten
         self.commits: list[tuple[BlockId, BlockHash]] = []          # blocks newly committed
+        self.reuses: list[tuple[BlockId, BlockHash]] = []           # cached blocks a new sequence matched
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,6 +119,8 @@ class BlockManager:
                 if self.ref_counts[block] == 0:
                     del self.free_ids[block]
                 self.ref_counts[block] += 1
+            if self.track_reuse:
+                self.reuses.extend((block, self.block_hash[block]) for block in hits)
             seq.block_table = list(hits)
             known = len(hits) + self._import(seq, len(hits))
             seq.num_committed_blocks = known

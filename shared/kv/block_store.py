@@ -2,7 +2,7 @@
 
     engine (one thread)                               tiers
     commit of a full block  -> committed(...) -> queue -> writer thread -> local disk (files, LRU budget)
-      (write_back: eviction from the cache, and a clean stop)          -> Redis   (encode, pipelined, budget, TTL)
+      (write_back: eviction, a clean stop; selective: eviction, reuse) -> Redis   (encode, pipelined, budget, TTL)
     eviction from the cache -> evicted(...) ------------------------------> host memory (LRU, no encoding)
     blocks another target sent -> received(...) --------------------------> host memory
     prefix-cache miss       -> lookup(hashes) <- host first, then disk, then Redis, the last only while reading
@@ -40,9 +40,12 @@ WRITER_NICE = 10              # the writer thread's nice value: encoding and sen
 
 class KVBlockStore:
     def __init__(self, layout: BlockLayout, *, host_bytes: int = 0, remote: RedisTier | None = None,
-                 disk: DiskTier | None = None, max_pending_bytes: int = 256 << 20, write_back: bool = False) -> None:
+                 disk: DiskTier | None = None, max_pending_bytes: int = 256 << 20,
+                 write_policy: str = "write_through") -> None:
         self.layout = layout
-        self.write_back = write_back          # disk and Redis get blocks as the cache evicts them, not as they fill
+        # when blocks go to disk and Redis: as they fill (write_through); as the cache evicts them, and at a clean
+        # stop (write_back); as they are evicted or first reused from the cache (write_through_selective)
+        self.write_policy = write_policy
         self.tag = layout.key_tag()
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.remote = remote
@@ -65,11 +68,19 @@ class KVBlockStore:
 
     @property
     def wants_commits(self) -> bool:
-        return self.writes and not self.write_back
+        return self.writes and self.write_policy == "write_through"
 
     @property
     def wants_evictions(self) -> bool:
-        return self.host is not None or (self.writes and self.write_back)
+        return self.host is not None or (self.writes and self.write_policy != "write_through")
+
+    @property
+    def wants_reuse(self) -> bool:
+        return self.writes and self.write_policy == "write_through_selective"
+
+    def known(self, h: BlockHash) -> bool:
+        """Whether this process wrote (or read) the block: it need not be written again."""
+        return h in self._known
 
     # ---------------------------------------------------------------- reads (engine thread)
     def lookup(self, hashes: Sequence[BlockHash]) -> list[BlockData]:
@@ -139,12 +150,18 @@ class KVBlockStore:
 
     # ---------------------------------------------------------------- writes (engine thread hands over)
     def evicted(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
-        """Blocks the paged cache is about to overwrite (copies): into host memory, and with write_back queued for
-        the disk and Redis tiers."""
+        """Blocks the paged cache is about to overwrite (copies): into host memory, and unless the policy is
+        write_through (which wrote them as they filled) queued for the disk and Redis tiers."""
         if self.host is not None:
             for h, block in items:
                 self.host.put(h, block)
-        if self.writes and self.write_back:
+        if self.writes and self.write_policy != "write_through":
+            self._enqueue(items)
+
+    def reused(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
+        """Cached blocks another sequence just matched (a shared prefix): queued for the disk and Redis tiers
+        (write_through_selective)."""
+        if self.wants_reuse:
             self._enqueue(items)
 
     def received(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
@@ -161,7 +178,7 @@ class KVBlockStore:
     def stopping(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
         """Some of the blocks the cache still holds at a clean stop: written to the disk and Redis tiers
         (write_back), waiting for the writer (so that a whole cache passes under the pending-bytes bound)."""
-        if self.writes and self.write_back:
+        if self.writes and self.write_policy == "write_back":
             self._enqueue(items)
             self.flush()
 
@@ -239,12 +256,13 @@ class KVBlockStore:
 
 
 def open_block_store(layout: BlockLayout, url: str | None, budget_gb: float, ttl_s: float, host_gb: float,
-                     disk_dir: str | None = None, disk_gb: float = 10.0, write_back: bool = False
+                     disk_dir: str | None = None, disk_gb: float = 10.0, write_policy: str = "write_through"
                      ) -> KVBlockStore | None:
     """The store the settings ask for: a Redis tier when `url` is set, a host tier when host_gb > 0, a disk tier
-    when disk_dir is set; None when none is. write_back: disk and Redis get blocks as the cache evicts them."""
+    when disk_dir is set; None when none is. write_policy: when blocks go to disk and Redis (KVBlockStore)."""
     if not url and host_gb <= 0 and not disk_dir:
         return None
     remote = RedisTier(url, budget_bytes=int(budget_gb * 2**30), ttl_s=ttl_s) if url else None
     disk = DiskTier(disk_dir, int(disk_gb * 2**30), layout.key_tag()) if disk_dir else None
-    return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote, disk=disk, write_back=write_back)
+    return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote, disk=disk,
+                        write_policy=write_policy)

@@ -235,6 +235,32 @@ def test_write_back_writes_blocks_as_they_leave_the_cache(tiny_llama_dir, tmp_pa
         EngineConfig(kv_store_write_policy="sometimes")
 
 
+def test_write_through_selective_writes_shared_and_evicted_blocks(tiny_llama_dir, tmp_path):
+    """kv_store_write_policy write_through_selective: a prompt computed once is not written; the blocks a second
+    request reads from the cache (a shared prefix) are, once; blocks the cache evicts are; a clean stop writes
+    nothing more."""
+    ids, other = prompt(13), prompt(14, 100)
+    disk = tmp_path / "kv"
+    eng = make(tiny_llama_dir, blocks=32, kv_disk_dir=str(disk), kv_store_write_policy="write_through_selective")
+    expect, _ = run(eng, ids)
+    eng.kv_store.flush()
+    assert not list(disk.glob("*.kv"))
+    got, cached = run(eng, ids)                            # the same prompt again: its prefix is shared
+    eng.kv_store.flush()
+    chain = hash_chain(ids, BS, cache_extra(eng.model_cfg.name))
+    assert got == expect and cached == len(chain) * BS
+    assert sorted(disk.glob("*.kv")) == sorted(eng.kv_store.disk.path(h) for h in chain)
+    run(eng, ids)                                          # shared again: nothing new
+    eng.kv_store.flush()
+    assert len(list(disk.glob("*.kv"))) == len(chain)
+    run(eng, other)                                        # evicts most of the first requests' blocks
+    eng.kv_store.flush()
+    evicted = len(list(disk.glob("*.kv")))
+    assert evicted > len(chain)                            # their output blocks, never shared, came with eviction
+    eng.close()
+    assert len(list(disk.glob("*.kv"))) == evicted
+
+
 def test_the_disk_tier_keeps_to_its_budget(tiny_llama_dir, tmp_path):
     from shared.kv.block_codec import BlockData, encode
     probe = make(tiny_llama_dir, kv_disk_dir=str(tmp_path / "probe"))
