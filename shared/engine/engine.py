@@ -282,7 +282,7 @@ class LLMEngine:
         the cache still holds are written first."""
         if self.kv_store is None:
             return
-        if self.kv_store.writes and self.kv_store.write_policy == "write_back":
+        if self.kv_store.wants_cache_at_stop:
             held = list(self.block_manager.cached.items())                    # (hash, block)
             for i in range(0, len(held), 64):
                 part = held[i:i + 64]

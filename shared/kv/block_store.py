@@ -78,6 +78,10 @@ class KVBlockStore:
     def wants_reuse(self) -> bool:
         return self.writes and self.write_policy == "write_through_selective"
 
+    @property
+    def wants_cache_at_stop(self) -> bool:
+        return self.writes and self.write_policy == "write_back"
+
     def known(self, h: BlockHash) -> bool:
         """Whether this process wrote (or read) the block: it need not be written again."""
         return h in self._known
@@ -178,7 +182,7 @@ class KVBlockStore:
     def stopping(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
         """Some of the blocks the cache still holds at a clean stop: written to the disk and Redis tiers
         (write_back), waiting for the writer (so that a whole cache passes under the pending-bytes bound)."""
-        if self.writes and self.write_policy == "write_back":
+        if self.wants_cache_at_stop:
             self._enqueue(items)
             self.flush()
 
