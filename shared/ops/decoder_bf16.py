@@ -32,9 +32,8 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-c
          "-shared", "-fPIC"]
 
 def max_rows() -> int:
-    """Rows a step may have to go through C: the rows GEMM's limit, or with AMX the rows it keeps from oneDNN
-    (more take the module path, whose linear layers then run on oneDNN's AMX kernels)."""
-    return rows_gemm_bf16.amx_rows() or rows_gemm_bf16.MAX_ROWS
+    """Rows a step may have to go through C (more take the module path: prefills)."""
+    return rows_gemm_bf16.MAX_ROWS
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -124,7 +123,7 @@ class DecoderStack:
         self._layers = layers
         self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 13]
         lib = _lib()
-        self._fns = torch.tensor([_fn(rows_gemm_bf16._lib(), "upesi_rows_gemm_bf16"),
+        self._fns = torch.tensor([rows_gemm_bf16.kernel_address(),
                                   _fn(rms_norm._lib(), "upesi_rms_norm"),
                                   _fn(cpu_attention._lib(), "upesi_rope_store"),
                                   _fn(cpu_attention._lib(), "upesi_paged_attention")], dtype=torch.int64)

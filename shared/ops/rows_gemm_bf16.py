@@ -11,12 +11,13 @@ Compiled at first use by shared.ops.c_build (-mavx512bf16) and loaded with ctype
 avx512_bf16 flag, no compiler, UPESI_ROWS_GEMM=0, a self-check that disagrees) `available()` is False and bf16
 linear layers stay on oneDNN (shared.ops.packed_linear).
 
-On CPUs with AMX (amx_bf16) oneDNN's tile multiplies make a matmul's cost nearly flat in its rows: streaming the
-default model's 121 linear layers took 10-11 ms at 1 to 16 rows and 13 ms at 32 there, against this kernel's
-8.0 ms at 1 row, 10 at 4, 14 at 9 and 38 at 32 (docs/performance.md). There a RowsWeightBF16 also keeps oneDNN's
-prepacked copy and calls with more than `amx_rows()` rows (verifications, batches, prefills) take it (twice the
-weights' memory; UPESI_AMX=0 keeps only the panels). Shapes: M = rows, K = in features, N = out features, KK = K / 2,
-P = panels.
+On CPUs with AMX (amx_tile and amx_bf16) every call takes rows_gemm_amx.c instead: the same panels, read as AMX
+tiles (16 pairs of input features by 16 columns), with tdpbf16ps accumulating 16 rows by 16 columns at a time.
+Its cost is nearly flat in the rows: the default model's 121 linear layers streamed in 9.3 ms at 1 row, 10.0 at 9,
+11.8 at 32 and 15.4 at 64 (this kernel 9.6 / 17.1 / 47.3 / 92.1, oneDNN's AMX kernels 13.8 / - / 16.7 / 19.9;
+docs/performance.md). Its rows are independent of each other too, but its sums are in another order than this
+kernel's, so one machine uses one of them for every call (UPESI_AMX=0 keeps this one).
+Shapes: M = rows, K = in features, N = out features, KK = K / 2, P = panels.
 """
 from __future__ import annotations
 
@@ -37,26 +38,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+AMX_SOURCE = SOURCE.with_name("rows_gemm_amx.c")
+AMX_FLAGS = FLAGS + ["-mamx-tile", "-mamx-bf16"]
 PANEL, TILE = 16, 64          # output columns per panel; per tile of 4 panels (N is padded to a multiple)
-MAX_ROWS = 64                 # the fused decoder's limit where there is no AMX (a batch of up to 64 decodes)
-AMX_ROWS = 9                  # with AMX: more rows than this go to oneDNN (a 9-row verification stays)
-
-
-@functools.cache
-def _amx() -> bool:
-    if "amx_bf16" not in cpu_flags() or os.environ.get("UPESI_AMX", "1") in ("0", "false", "no"):
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-def amx_rows() -> int | None:
-    """The most rows this kernel takes where oneDNN has AMX (more go to oneDNN's prepacked copy), or None where
-    every call stays here (no AMX, UPESI_AMX=0, no oneDNN packing)."""
-    return AMX_ROWS if _amx() else None
+MAX_ROWS = 64                 # the fused decoder's limit (a batch of up to 64 decodes)
+_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 
 
 @functools.cache
@@ -66,26 +53,71 @@ def _lib() -> ctypes.CDLL | None:
     lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_ROWS_GEMM", "bf16 rows kernel")
     if lib is None:
         return None
-    fn = lib.upesi_rows_gemm_bf16
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    fn.restype = None
+    lib.upesi_rows_gemm_bf16.argtypes, lib.upesi_rows_gemm_bf16.restype = _ARGS, None
     return lib
 
 
 @functools.cache
-def available() -> bool:
-    """True where the kernel builds, loads and agrees with an fp32 reference on every row count of a tile and a
-    partial tile of columns."""
-    if _lib() is None:
-        return False
+def _amx_lib() -> ctypes.CDLL | None:
+    """rows_gemm_amx.c where the CPU has AMX, the kernel may ask for its tile state and UPESI_AMX is not 0; its
+    calls with K not a multiple of 32 take rows_gemm_bf16.c."""
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags() or os.environ.get("UPESI_AMX", "1") in ("0", "false", "no"):
+        return None
+    lib = c_build.load_or_none(AMX_SOURCE, AMX_FLAGS, "UPESI_ROWS_GEMM", "AMX rows kernel")
+    if lib is None:
+        return None
+    lib.upesi_rows_gemm_amx.argtypes, lib.upesi_rows_gemm_amx.restype = _ARGS, None
+    lib.upesi_amx_setup.argtypes, lib.upesi_amx_setup.restype = [ctypes.c_void_p], ctypes.c_int
+    if lib.upesi_amx_setup(ctypes.cast(_lib().upesi_rows_gemm_bf16, ctypes.c_void_p)) != 0:
+        log.warning("the kernel refused this process AMX's tile state; using AVX512-BF16")
+        return None
+    return lib
+
+
+def _agrees(fn: ctypes._CFuncPtr) -> bool:
+    """Whether `fn` agrees with an fp32 reference on every row count of a tile and a partial tile of columns,
+    for K a multiple of 32 and not, and gives a row alone the bits it has among others."""
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(72, 40, generator=g).bfloat16(), torch.randn(13, 40, generator=g).bfloat16()
-    want = (x.float() @ w.float().t()).bfloat16()
-    ok = torch.allclose(run(x, pack(w), 72).float(), want.float(), rtol=1e-2, atol=1e-2)
-    if not ok:
-        log.warning("bf16 rows kernel disagrees with the fp32 reference on this machine; using oneDNN")
-    return ok
+    for n, k, m in ((72, 40, 13), (72, 64, 20), (130, 96, 40)):
+        w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g).bfloat16()
+        want = (x.float() @ w.float().t()).bfloat16()
+        got = _call(fn, x, pack(w), n, None)
+        if not (torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+                and torch.equal(_call(fn, x[m - 1:], pack(w), n, None), got[m - 1:])):
+            return False
+    return True
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr | None:
+    """The C function every bf16 rows call takes on this machine: AMX's where it runs and agrees with the
+    reference, else AVX512-BF16's where that agrees, else None."""
+    if _lib() is None:
+        return None
+    amx = _amx_lib()
+    if amx is not None:
+        if _agrees(amx.upesi_rows_gemm_amx):
+            return amx.upesi_rows_gemm_amx
+        log.warning("AMX rows kernel disagrees with the fp32 reference on this machine; using AVX512-BF16")
+    if _agrees(_lib().upesi_rows_gemm_bf16):
+        return _lib().upesi_rows_gemm_bf16
+    log.warning("bf16 rows kernel disagrees with the fp32 reference on this machine; using oneDNN")
+    return None
+
+
+def available() -> bool:
+    """True where a bf16 rows kernel builds, loads and agrees with an fp32 reference."""
+    return _kernel() is not None
+
+
+def uses_amx() -> bool:
+    """Whether this machine's bf16 rows calls take the AMX kernel."""
+    return available() and _amx_lib() is not None and _kernel() is _amx_lib().upesi_rows_gemm_amx
+
+
+def kernel_address() -> int:
+    """The address of this machine's rows GEMM, for C callers (decoder_bf16.c); requires available()."""
+    return ctypes.cast(_kernel(), ctypes.c_void_p).value
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -116,28 +148,22 @@ def run(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
         x = x.contiguous()
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
+    return _call(_kernel(), x, panels, n, bias)
+
+
+def _call(fn: ctypes._CFuncPtr, x: torch.Tensor, panels: torch.Tensor, n: int,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x.shape
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:
-        _lib().upesi_rows_gemm_bf16(x.data_ptr(), m, x.stride(0), k, panels.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), n, y.data_ptr(), n,
-                                    torch.get_num_threads())
+        fn(x.data_ptr(), m, x.stride(0), k, panels.data_ptr(), None if bias is None else bias.data_ptr(), n,
+           y.data_ptr(), n, torch.get_num_threads())
     return y
 
 
 class RowsWeightBF16(RowsWeight):
-    """An [N, K] bf16 weight in this kernel's panels for `rows_linear`, and where AMX runs (`amx_rows`) oneDNN's
-    prepacked copy for calls with more rows."""
+    """An [N, K] bf16 weight in this kernel's panels for `rows_linear` (the AMX kernel reads the same panels)."""
     pack, unpack = staticmethod(pack), staticmethod(unpack)
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__(weight)
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if amx_rows() else None
-
-    @property
-    def nbytes(self) -> int:
-        """The panels' bytes, plus the weight's for oneDNN's copy where there is one."""
-        copy = self.out_features * self.in_features * 2 if self.onednn is not None else 0
-        return self.panels.numel() * self.panels.element_size() + copy
 
 
 def rows_linear(x: torch.Tensor, w: RowsWeightBF16, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,8 +172,4 @@ def rows_linear(x: torch.Tensor, w: RowsWeightBF16, bias: torch.Tensor | None = 
         return F.linear(x, w.weight.to(x.dtype), bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
-    if w.onednn is not None and x2.shape[0] > AMX_ROWS:
-        y = torch.ops.mkldnn._linear_pointwise(x2, w.onednn, None if bias is None else bias.to(torch.bfloat16),
-                                               "none", [], "")
-        return y.view(*lead, w.out_features)
     return run(x2, w.panels, w.out_features, bias).view(*lead, w.out_features)

@@ -72,9 +72,6 @@ def caches(model: LlamaForCausalLM, seed: int) -> list[tuple[torch.Tensor, torch
     ([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]}),         # a decode, a tree, a short prefill chunk
 ])
 def test_stack_equals_modules_bit_for_bit(bias, window, rotary, lens, qlens, trees, monkeypatch):
-    # with AMX, calls of more than 4 rows go to oneDNN in both paths; here every call stays on the rows kernel
-    monkeypatch.setattr(rows_gemm_bf16, "AMX_ROWS", 64)
-    monkeypatch.setattr(decoder_bf16, "max_rows", lambda: 64)
     model = tiny_model(attention_bias=bias, window=window, rotary=rotary)
     assert model.rope_cos.shape[-1] == int(16 * rotary)
     assert [layer.self_attn.window for layer in model.layers] == [window, None, window]
@@ -122,20 +119,3 @@ def test_silu_mul_matches_torch():
     assert (got != want).float().mean() < 0.01
     f32 = gu.float()
     assert torch.equal(decoder_bf16.silu_mul(f32), decoder_bf16.silu_mul_reference(f32))   # fp32: torch itself
-
-
-def test_with_amx_more_rows_than_the_kernel_keeps_go_to_onednn():
-    """Where oneDNN has AMX, a weight keeps both packings and a call takes oneDNN past amx_rows() rows: equal to
-    F.linear there, and the fused stack leaves such steps to the modules."""
-    if rows_gemm_bf16.amx_rows() is None:
-        pytest.skip("no AMX here: every call stays on the rows kernel")
-    import torch.nn.functional as F
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(72, 40, generator=g).bfloat16()
-    packed = rows_gemm_bf16.RowsWeightBF16(w)
-    assert packed.onednn is not None
-    many = torch.randn(rows_gemm_bf16.AMX_ROWS + 3, 40, generator=g).bfloat16()
-    assert torch.equal(rows_gemm_bf16.rows_linear(many, packed), F.linear(many, w))
-    few = many[:rows_gemm_bf16.AMX_ROWS]
-    assert torch.equal(rows_gemm_bf16.rows_linear(few, packed), rows_gemm_bf16.run(few, packed.panels, 72))
-    assert decoder_bf16.max_rows() == rows_gemm_bf16.AMX_ROWS

@@ -1,0 +1,135 @@
+// bf16 linear layers for a step's rows on CPUs with AMX (shared/ops/rows_gemm_amx.py loads this).
+//
+// The same call and the same weight panels as rows_gemm_bf16.c: panel p holds, for each pair of input features
+// (2kk, 2kk + 1), 16 output columns' two weights side by side, 64 bytes a pair. Sixteen consecutive pairs of a
+// panel are therefore one AMX B tile as it is (16 rows of 64 bytes), and 32 input features of 16 rows of x one A
+// tile. Per pair of panels and per 32 rows, four fp32 accumulator tiles (2 row blocks x 2 panels) run over K in
+// steps of 32 features with tdpbf16ps, so the weights stream from memory once per call while up to 32 rows share
+// each tile of them (a second group of 32 rows rereads the pair's panels from cache).
+//
+// Every output is the same sequence of tile steps over K whatever the other rows of the call are: a row's result
+// does not depend on how many rows share the call or where it sits among them. Rows past M in the last block are
+// zeros (a padded copy of x when M is not a multiple of 16 above 16 rows; below, the tiles have M rows).
+// K must be a multiple of 32 here; other K go to the fallback kernel given to upesi_amx_setup (rows_gemm_bf16.c).
+// Shapes: M = rows, K = in features, N = out features (a multiple of 64 after padding), KK = K / 2.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
+                        uint16_t *, int64_t, int);
+
+static gemm_fn fallback;
+
+// Asks the kernel for the AMX tile state (once per process) and records the kernel for K not a multiple of 32.
+// Returns 0 when AMX may be used.
+int upesi_amx_setup(gemm_fn fb) {
+    fallback = fb;
+    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+// Tiles 0-3: accumulators (C[block][panel]) and 4-5: x blocks, `rows` rows each; 6-7: panels, 16 pairs of
+// input features. Every row 64 bytes.
+static void configure(int rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = (uint8_t)(i < 6 ? rows : 16);
+    }
+    _tile_loadconfig(&c);
+}
+
+// acc [rows, 16] fp32 (+ bias) -> y rows, columns < left, rounded to bf16 as vcvtneps2bf16 does.
+static inline void store_rows(const float *acc, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy,
+                              int64_t left) {
+    if (left <= 0)
+        return;
+    __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias)), 16));
+    for (int r = 0; r < rows; r++) {
+        __m512 a = _mm512_loadu_ps(acc + 16 * r);
+        if (bias)                                          // added in fp32, then rounded once
+            a = _mm512_add_ps(a, b);
+        _mm256_mask_storeu_epi16((void *)(y + r * ldy), m, (__m256i)_mm512_cvtneps_pbh(a));
+    }
+}
+
+// x [M, K] bf16 rows (ldx apart), panels [NP, KK, 32] bf16 (NP a multiple of 4), bias [N] bf16 or NULL,
+// y [M, N] bf16 (ldy apart).
+void upesi_rows_gemm_amx(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const uint16_t *panels,
+                         const uint16_t *bias, int64_t n, uint16_t *y, int64_t ldy, int threads) {
+    if (k % 32 || m <= 0) {
+        if (m > 0)
+            fallback(x, m, ldx, k, panels, bias, n, y, ldy, threads);
+        return;
+    }
+    int64_t kk_n = k / 2, np = (n + 15) / 16, pairs = (np + 1) / 2, panel_stride = kk_n * 32;
+    int64_t blocks = (m + 15) / 16;
+    int rows = m < 16 ? (int)m : 16;
+    uint16_t *pad = 0;
+    if (m > 16 && m % 16) {                                // the last block's missing rows as zeros
+        pad = calloc((size_t)(blocks * 16 * k), sizeof(uint16_t));
+        for (int64_t r = 0; r < m; r++)
+            memcpy(pad + r * k, x + r * ldx, (size_t)k * sizeof(uint16_t));
+        x = pad;
+        ldx = k;
+    }
+    #pragma omp parallel num_threads(threads) if (threads > 1 && pairs > 1)
+    {
+        float acc[4][16 * 16];
+        configure(rows);
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < pairs; q++) {
+            const uint16_t *w0 = panels + 2 * q * panel_stride, *w1 = w0 + panel_stride;
+            for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+                int two = b0 + 1 < blocks;
+                const uint16_t *x0 = x + b0 * 16 * ldx, *x1 = x0 + 16 * ldx;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < kk_n; kb += 16) {
+                    _tile_loadd(6, w0 + kb * 32, 64);
+                    _tile_loadd(7, w1 + kb * 32, 64);
+                    _tile_loadd(4, x0 + 2 * kb, ldx * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, x1 + 2 * kb, ldx * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, acc[0], 64);
+                _tile_stored(1, acc[1], 64);
+                if (two) {
+                    _tile_stored(2, acc[2], 64);
+                    _tile_stored(3, acc[3], 64);
+                }
+                for (int i = 0; i < 2 + 2 * two; i++) {
+                    int64_t r0 = (b0 + i / 2) * 16, c0 = (2 * q + i % 2) * 16;
+                    int valid = (int)(m - r0 < 16 ? m - r0 : 16);
+                    store_rows(acc[i], valid, bias ? bias + c0 : 0, y + r0 * ldy + c0, ldy, n - c0);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(pad);
+}
