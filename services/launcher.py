@@ -78,6 +78,7 @@ class ServeConfig:
                                               "in flight at the router (more: plain decoding on the target; "
                                               "0 = always)")
     speculative_max_seqs: int = options.speculative_max_seqs(1)
+    stream_interval: int = options.stream_interval()
     draft_confidence: float | None = options.draft_confidence()
     draft_tree_nodes: int | None = options.draft_tree_nodes()
     draft_tree_ngram: int | None = options.draft_tree_ngram()
@@ -103,6 +104,8 @@ class ServeConfig:
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
+        if self.stream_interval < 0:
+            raise ValueError(f"stream_interval must be >= 0, got {self.stream_interval}")
         check_speculative_max_seqs(self.speculative_max_seqs)
         if self.speculative_max_requests < 0:
             raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
@@ -304,7 +307,7 @@ def main(args: argparse.Namespace) -> None:
             experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
         spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
                 "--adaptive-speculation", str(cfg.adaptive_speculation).lower(),
-                "--speculative-max-seqs", str(cfg.speculative_max_seqs)]
+                "--speculative-max-seqs", str(cfg.speculative_max_seqs), "--stream-interval", str(cfg.stream_interval)]
         confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
         if cfg.draft_tree_nodes is not None:
             confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]

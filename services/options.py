@@ -41,6 +41,13 @@ def speculative_max_seqs(default: int) -> Any:
                            "rows cost more than they save once a batch fills the matmuls; 0 = always)")
 
 
+def stream_interval() -> Any:
+    return option(0, "engine steps between the messages of a running request's token stream (its first tokens and "
+                     "its end go at once): fewer messages for the target, the router and the clients to handle on "
+                     "the cores the steps need. 0 = by load: every step while fewer than 8 sequences run, then one "
+                     "message per running/8 steps (4 at 32)")
+
+
 def draft_confidence() -> Any:
     return option(None, "eagle heads: stop drafting a sequence once the head's probability of its draft path falls "
                         "below this (0 = always K drafts; default: 0.15)")

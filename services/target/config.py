@@ -53,6 +53,7 @@ class TargetConfig(options.TLS):
     kv_host_gb: float = options.kv_host_gb()
     kv_disk_dir: str | None = options.kv_disk_dir()
     kv_disk_gb: float = options.kv_disk_gb()
+    stream_interval: int = options.stream_interval()
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = options.num_speculative_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
@@ -92,6 +93,8 @@ class TargetConfig(options.TLS):
         check_write_policy(self.kv_store_write_policy, self.kv_store_sync)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+        if self.stream_interval < 0:
+            raise ValueError(f"stream_interval must be >= 0, got {self.stream_interval}")
         if self.draft_timeout_s <= 0:
             raise ValueError(f"draft_timeout_s must be positive, got {self.draft_timeout_s}")
         if self.expert_timeout_s <= 0:

@@ -117,7 +117,7 @@ async def serve(cfg: TargetConfig) -> None:
         attached.append(_attach_expert_shards(cfg, engine))
         return engine
     engine_cls = TracedAsyncEngine if telemetry.ENABLED else AsyncEngine
-    async_engine = engine_cls(build, on_step=StepObserver(publisher))
+    async_engine = engine_cls(build, on_step=StepObserver(publisher), stream_interval=cfg.stream_interval)
     engine, experts = async_engine.engine, attached[0]
     rebalancer = _start_rebalancer(cfg, experts)
     metrics.KV_BLOCKS_TOTAL.set(engine.block_manager.num_blocks)

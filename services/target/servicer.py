@@ -54,11 +54,15 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         prompt = list(request.prompt_token_ids)
         first, held = True, None
         async for d in self.engine.generate(request.request_id, prompt, params):
-            if held is not None:
-                yield held
-            held = delta_to_pb(d, first)
+            msg = delta_to_pb(d, first)
             first = False
-        if request.kv_destination:                  # a prefill target: the blocks go first, then the last answer
+            if not request.kv_destination:
+                yield msg
+                continue
+            if held is not None:                    # a prefill target holds each answer until the next: the
+                yield held                          # blocks go before the last one
+            held = msg
+        if request.kv_destination:
             await self._send_blocks(request.kv_destination, prompt, params.cache_salt)
         if held is not None:
             yield held

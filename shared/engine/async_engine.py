@@ -3,6 +3,12 @@
 Callers `generate()` (an async iterator of Delta) and `abort()`. Requests and aborts cross into the engine
 thread through a queue; deltas come back with loop.call_soon_threadsafe. The engine thread sleeps when idle.
 
+Stream interval: a running request's new tokens reach its caller every `stream_interval` steps, merged into one
+Delta per choice (its first tokens and its end at once). Each delivery costs the service's event loop, the
+router and the client a message per request, on the cores the step needs; under load that is a quarter of a
+step (docs/performance.md). 0 (auto) delivers every step while fewer than `AUTO_STREAMS` sequences run, then every
+running // AUTO_STREAMS steps (4 at 32 sequences). SGLang's --stream-interval is the same idea, fixed.
+
 Give it a factory rather than a built engine where the caller is a service: the engine is then built on the
 engine thread, so that one thread runs every torch operation of the process. libgomp (the OpenMP runtime of torch's
 CPU builds) gives every thread that opens parallel regions its own team of workers, and once a process holds more
@@ -16,6 +22,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Callable, TypeVar
 
 from shared.engine.engine import Delta, LLMEngine
@@ -24,14 +31,25 @@ from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+AUTO_STREAMS = 8            # auto stream interval: one more step between a request's messages per this many running
+
+
+def auto_interval(running: int) -> int:
+    """The stream interval `stream_interval=0` gives at `running` sequences."""
+    return max(1, running // AUTO_STREAMS)
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
-                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine], None] | None = None, stream_interval: int = 0) -> None:
         """engine: an LLMEngine, or a function that builds one (called on the engine thread; its exception is
-        raised here)."""
+        raised here). stream_interval: steps between a running request's deliveries (0: by load)."""
+        if stream_interval < 0:
+            raise ValueError(f"stream_interval must be >= 0, got {stream_interval}")
         self.on_step = on_step
+        self.stream_interval = stream_interval
+        self._held: dict[str, tuple[int, dict[int, Delta]]] = {}   # request -> (steps held, choice -> Delta)
+        self._delivered: set[str] = set()                           # requests whose first tokens went out
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
@@ -121,7 +139,7 @@ class AsyncEngine:
                     log.exception("engine step failed; failing the requests in flight")
                     self._fail_all(e)
                     continue
-                self._deliver(deltas)
+                self._deliver(self._coalesce(deltas))
                 if self.on_step:
                     self.on_step(eng)
         except BaseException as e:   # keep the process up; fail every open stream with UNAVAILABLE
@@ -130,7 +148,29 @@ class AsyncEngine:
             for loop, q in list(self._streams.values()):
                 _post(loop, q.put_nowait, e)
 
+    def _coalesce(self, deltas: list[Delta]) -> list[Delta]:
+        """A step's deltas -> those to deliver now; the rest are held and merged (see the stream interval)."""
+        k = self.stream_interval or auto_interval(len(self.engine.scheduler.running))
+        if k == 1 and not self._held:
+            return deltas
+        by_rid: dict[str, list[Delta]] = {}
+        for d in deltas:
+            by_rid.setdefault(d.request_id, []).append(d)
+        out: list[Delta] = []
+        for rid, ds in by_rid.items():
+            steps, pending = self._held.pop(rid, (0, {}))
+            for d in ds:
+                prev = pending.get(d.index)
+                pending[d.index] = d if prev is None else replace(d, token_ids=prev.token_ids + d.token_ids)
+            if steps + 1 >= k or rid not in self._delivered or any(d.finish_reason for d in pending.values()):
+                out.extend(pending.values())
+            else:
+                self._held[rid] = (steps + 1, pending)
+        return out
+
     def _fail_all(self, err: Exception) -> None:
+        self._held.clear()
+        self._delivered.clear()
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
         for loop, q in list(self._streams.values()):
@@ -154,7 +194,7 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
                 self.engine.abort(rid)
         elif msg[0] == "abort":
-            self._deliver(self.engine.abort(msg[1], msg[2]))
+            self._deliver(self._coalesce(self.engine.abort(msg[1], msg[2])))
         elif msg[0] == "call":
             _, fn, loop, done = msg
             try:
@@ -168,6 +208,7 @@ class AsyncEngine:
         """Hands a step's deltas to their streams: one wake-up per caller's event loop, not one per delta."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
         for d in deltas:
+            self._delivered.add(d.request_id)
             entry = self._streams.get(d.request_id)
             if entry is not None:
                 by_loop.setdefault(entry[0], []).append((entry[1], d))
@@ -179,6 +220,8 @@ class AsyncEngine:
         for rid in {d.request_id for d in deltas if d.finish_reason}:
             if rid not in self.engine.requests:
                 self._streams.pop(rid, None)
+                self._delivered.discard(rid)
+                self._held.pop(rid, None)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:

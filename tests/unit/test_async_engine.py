@@ -74,3 +74,37 @@ def test_a_full_waiting_queue_refuses_new_requests_until_it_drains(tiny_llama_di
         assert eng.engine.block_manager.num_used_blocks == 0
     finally:
         eng.stop()
+
+
+def test_stream_interval_merges_a_requests_tokens_and_keeps_them(tiny_llama_dir):
+    """stream_interval=3: the first token at once, then a message per 3 steps, the end at once; the same tokens
+    as every step's delivery. Auto: every step while few sequences run, one per running // 8 steps beyond."""
+    from shared.engine.async_engine import auto_interval
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    two = SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True, n=2)
+
+    def deliveries(interval: int, p: SamplingParams) -> list:
+        eng = AsyncEngine(lambda: LLMEngine(EngineConfig(model=tiny_llama_dir, progress=False, kv_cache_gb=0.01,
+                                                         max_model_len=256)), stream_interval=interval)
+
+        async def run() -> list:
+            return [(d.index, d.token_ids, d.finish_reason) async for d in eng.generate("r", [1, 2, 3], p)]
+        try:
+            return asyncio.run(run())
+        finally:
+            eng.stop()
+    every, merged, auto = deliveries(1, params), deliveries(3, params), deliveries(0, params)
+    assert [len(t) for _, t, _ in every] == [1] * 9 and auto == every
+    assert [len(t) for _, t, _ in merged] == [1, 3, 3, 2]
+    assert sum((t for _, t, _ in merged), []) == sum((t for _, t, _ in every), [])
+    assert [r for _, _, r in merged] == [None, None, None, "length"]
+    for interval in (1, 3):                                   # two choices: each merged on its own
+        got = deliveries(interval, two)
+        for i in (0, 1):
+            mine = [(t, r) for j, t, r in got if j == i]
+            assert sum(len(t) for t, _ in mine) == 9 and mine[-1][1] == "length"
+            if interval == 3:
+                assert [len(t) for t, _ in mine] == [1, 3, 3, 2]
+    assert [auto_interval(n) for n in (1, 7, 8, 15, 16, 32, 64)] == [1, 1, 1, 1, 2, 4, 8]
+    with pytest.raises(ValueError, match="stream_interval"):
+        AsyncEngine(lambda: None, stream_interval=-1)
