@@ -269,7 +269,7 @@ def main(args: argparse.Namespace) -> None:
     # (never on a command line, where `ps` shows it); a value set beforehand is kept
     os.environ.setdefault(internal_token.ENV, secrets.token_hex(32))
     model = ["--model", cfg.model] if cfg.model else []
-    overrides = ["--hf-overrides", cfg.hf_overrides] if cfg.hf_overrides else []     # the targets' models
+    overrides = ["--hf-overrides", cfg.hf_overrides] if cfg.hf_overrides else []     # targets' and shards' models
     threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
     threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []
     procs: list[subprocess.Popen] = []
@@ -296,7 +296,7 @@ def main(args: argparse.Namespace) -> None:
         for i, address in enumerate(cfg.expert_addresses()):
             command = ["experts", "--address", address, "--shard-index", str(i),
                        "--num-shards", str(cfg.expert_shards), "--device", cfg.device, "--dtype", cfg.dtype,
-                       "--num-threads", shard_threads, *model, *placement, *quant,
+                       "--num-threads", shard_threads, *model, *overrides, *placement, *quant,
                        *_tls_args(cfg, client=False), "--metrics-port",
                        str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)]
             restartable[len(procs)] = (f"expert shard {i}", address, command)

@@ -7,7 +7,7 @@ import torch
 
 from services import options
 from shared.config import option
-from shared.engine.config import check_dtype, resolve_device, resolve_dtype, serving_dtype
+from shared.engine.config import check_dtype, parse_hf_overrides, resolve_device, resolve_dtype, serving_dtype
 
 
 @dataclass(slots=True)
@@ -15,6 +15,7 @@ class ExpertsConfig(options.ServerTLS):
     address: str = option("127.0.0.1:50071", "gRPC listen address")
     metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
     model: str | None = options.model()
+    hf_overrides: str | None = options.hf_overrides()
     shard_index: int = option(0, "this shard's index, 0 .. num_shards - 1 (its place in the target's --expert-shards)")
     num_shards: int = option(1, "number of expert shards")
     expert_placement: str | None = options.expert_placement()
@@ -32,6 +33,7 @@ class ExpertsConfig(options.ServerTLS):
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         check_dtype(self.dtype)
+        parse_hf_overrides(self.hf_overrides)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

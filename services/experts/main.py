@@ -23,6 +23,7 @@ async def serve(cfg: ExpertsConfig) -> None:
     from services.experts.shard import ExpertShard
     from shared import telemetry
     from shared.metrics import serve_metrics
+    from shared.engine.config import parse_hf_overrides
     from shared.model.loader import load_config
     from shared.model.placement import load_placement, num_routed_experts
     from shared.model_files import resolve_model_path
@@ -32,10 +33,11 @@ async def serve(cfg: ExpertsConfig) -> None:
     telemetry.setup_tracing("upesi-experts")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    path = resolve_model_path(cfg.model)
-    placement = load_placement(cfg.expert_placement, cfg.num_shards, num_routed_experts(load_config(path)))
+    path, overrides = resolve_model_path(cfg.model), parse_hf_overrides(cfg.hf_overrides)
+    placement = load_placement(cfg.expert_placement, cfg.num_shards,
+                               num_routed_experts(load_config(path, overrides)))
     shard = ExpertShard(path, placement, cfg.shard_index, cfg.torch_dtype(), cfg.torch_device(), cfg.progress,
-                        cfg.nvfp4_act_quant)
+                        cfg.nvfp4_act_quant, overrides)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.address, EXPORTED)
     service = Service("upesi.v1.Experts", ExpertsServicer(shard), experts_pb2_grpc.add_ExpertsServicer_to_server)

@@ -134,9 +134,10 @@ class ExpertShard:
     """The units one shard holds and their batched compute."""
 
     def __init__(self, model: str | None, placement: Placement, shard_index: int, dtype: torch.dtype,
-                 device: torch.device, progress: bool = False, act_quant: bool = False) -> None:
+                 device: torch.device, progress: bool = False, act_quant: bool = False,
+                 hf_overrides: dict | None = None) -> None:
         self.path = resolve_model_path(model)
-        self.cfg = load_config(self.path)
+        self.cfg = load_config(self.path, hf_overrides)       # the targets' --hf-overrides, so both read one config
         qc = self.cfg.extra.get("quantization_config")
         if qc and qc.get("quant_method") != "compressed-tensors":
             raise ValueError(f"{self.path}: quantization method {qc.get('quant_method')!r} is not served by expert "

@@ -334,3 +334,24 @@ def test_bf16_shards_prepack_their_units_and_compute_what_plain_weights_compute(
         ids = torch.tensor([units[i % len(units)] for i in range(5)], dtype=torch.int32)
         with torch.inference_mode():
             assert torch.equal(packed.forward(0, x, ids), plain.forward(0, x, ids))
+
+
+def test_a_shard_reads_the_config_the_targets_read(tiny_mixtral):
+    """`upesi serve --hf-overrides` reaches the expert shards too: a model cut to its first layer on the targets
+    is cut on the shards (which then hold that layer's experts only, and report one layer to the target)."""
+    import argparse
+
+    from services.experts.config import ExpertsConfig
+    from shared.config import add_config_arguments, config_from_args
+    path, _ = tiny_mixtral
+    whole = ExpertShard(path, Placement(1, 6), 0, torch.float32, torch.device("cpu"))
+    cut = ExpertShard(path, Placement(1, 6), 0, torch.float32, torch.device("cpu"),
+                      hf_overrides={"num_hidden_layers": 1})
+    assert (whole.cfg.num_layers, sorted(whole.layers)) == (2, [0, 1])
+    assert (cut.cfg.num_layers, sorted(cut.layers)) == (1, [0])
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, ExpertsConfig)
+    cfg = config_from_args(ExpertsConfig, parser.parse_args(["--hf-overrides", '{"num_hidden_layers": 1}']))
+    assert cfg.hf_overrides == '{"num_hidden_layers": 1}'
+    with pytest.raises(ValueError, match="hf_overrides"):
+        config_from_args(ExpertsConfig, parser.parse_args(["--hf-overrides", "[1]"]))
