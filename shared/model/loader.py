@@ -24,14 +24,33 @@ from shared.model_files import ModelNotFound, file_version, is_gguf
 Weights = Iterator[tuple[str, torch.Tensor]]
 
 
+# Multimodal checkpoints served for their text: model_type -> the key of their language model's config. Their text
+# weights sit under `language_model.` (`model.language_model.` in transformers 5's own naming); the vision tower
+# and the projector are not read, so requests are text only.
+TEXT_TOWERS = {"gemma3": "text_config"}
+_TOWER_NAMES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def read_hf_config(folder: str) -> dict[str, Any]:
+    """A Hugging Face folder's config.json; for a multimodal checkpoint of TEXT_TOWERS its language model's, with
+    the wrapper's tie_word_embeddings (the one transformers ties by) and `text_tower_of` naming the wrapper."""
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    key = TEXT_TOWERS.get(hf.get("model_type"))
+    if key is None:
+        return hf
+    return hf[key] | {"tie_word_embeddings": hf.get("tie_word_embeddings", hf[key].get("tie_word_embeddings", True)),
+                      "text_tower_of": hf["model_type"]}
+
+
 def load_config(path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
     """The checkpoint's config, with `overrides` (vLLM's --hf-overrides: config.json keys and their values) put
     over it. A GGUF file has no config.json: there a key names a ModelConfig field (by its name or its Hugging Face
     name, e.g. num_hidden_layers) or else a family field (ModelConfig.extra, e.g. sliding_window)."""
     if is_gguf(path):
         return _override(_gguf_config(path), overrides or {})
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = ModelConfig.from_hf(json.load(f) | (overrides or {}), name=os.path.basename(os.path.normpath(path)))
+    cfg = ModelConfig.from_hf(read_hf_config(path) | (overrides or {}), name=os.path.basename(os.path.normpath(path)))
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):
         with open(gen) as f:
@@ -44,7 +63,18 @@ def load_config(path: str, overrides: dict[str, Any] | None = None) -> ModelConf
 def iter_weights(path: str, cfg: ModelConfig, progress: bool = True) -> Weights:
     if is_gguf(path):
         return _gguf_weights(path, cfg, progress)
+    if cfg.extra.get("text_tower_of"):
+        return _text_tower(_safetensors_weights(path, progress))
     return _safetensors_weights(path, progress)
+
+
+def _text_tower(weights: Weights) -> Weights:
+    """A multimodal checkpoint's tensors -> its language model's, named as a text-only checkpoint names them."""
+    for name, tensor in weights:
+        for old, new in _TOWER_NAMES:
+            if name.startswith(old):
+                yield new + name[len(old):], tensor
+                break
 
 
 # ---------------------------------------------------------------- Hugging Face folders

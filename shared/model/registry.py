@@ -1,8 +1,6 @@
 """Architectures by name: one entry per model family, no if-ladder."""
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 
 import torch
@@ -12,7 +10,7 @@ from shared.model.config import ModelConfig
 from shared.model.deepseek_v3 import DeepseekV3ForCausalLM
 from shared.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from shared.model.llama import LlamaForCausalLM, MistralForCausalLM
-from shared.model.loader import iter_weights, load_config
+from shared.model.loader import iter_weights, load_config, read_hf_config
 from shared.model.mixtral import MixtralForCausalLM
 from shared.model.olmoe import OlmoeForCausalLM
 from shared.model.phi3 import Phi3ForCausalLM
@@ -46,8 +44,7 @@ def check_architecture(path: str) -> None:
     if is_gguf(path):
         arch = load_config(path).architecture
     else:
-        with open(os.path.join(path, "config.json")) as f:
-            arch = json.load(f).get("model_type", "llama")
+        arch = read_hf_config(path).get("model_type", "llama")
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; the supported families are "
                          f"{', '.join(sorted(ARCHITECTURES))}")

@@ -1,7 +1,7 @@
-"""Llama 3 (its RoPE scaling), Qwen2, Qwen3, Phi-3 (a 16-token sliding window), Gemma 2 and Gemma 3 dense through
-the running stack
-(`upesi serve`: router, target, real gRPC): greedy tokens of a tiny checkpoint equal transformers' `generate` on
-it, plainly and with n-gram speculation in the target."""
+"""Llama 3 (its RoPE scaling), Qwen2, Qwen3, Phi-3 (a 16-token sliding window), Gemma 2 and Gemma 3 (a multimodal
+checkpoint, served for its text) through the running stack (`upesi serve`: router, target, real gRPC): greedy
+tokens of a tiny checkpoint equal transformers' `generate` on it, plainly and with n-gram speculation in the
+target."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 TOKENS = 24
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_multimodal"])
 def test_greedy_through_the_stack_equals_transformers(tmp_path, family):
     model = tmp_path / "model"
     ref = _save(MAKERS[family], model)

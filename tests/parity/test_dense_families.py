@@ -1,5 +1,5 @@
-"""Dense families beside Llama: tiny random Qwen2, Qwen3 and Mistral checkpoints made with transformers' own config
-classes and `save_pretrained`, against transformers in fp32 (teacher-forced logits, greedy tokens, n-gram
+"""Dense families beside Llama: tiny random Qwen2, Qwen3, Mistral, Phi-3 and Gemma checkpoints made with
+transformers' own config classes and `save_pretrained`, against transformers in fp32 (teacher-forced logits, greedy tokens, n-gram
 speculation), sliding windows included."""
 from __future__ import annotations
 
@@ -56,6 +56,16 @@ def _gemma3(local_theta: float = 100.0, **kw):
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}))
 
 
+def _gemma3_multimodal():
+    """Gemma 3 4B and up: a Gemma3ForConditionalGeneration checkpoint (SigLIP vision tower, projector), served for
+    its text; transformers runs the same wrapper on text-only input."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    text = Gemma3TextConfig(**(COMMON | GEMMA), intermediate_size=96)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
+
+
 def _llama3():
     """Llama 3.x: its RoPE scaling (low / high frequency factors over an original window of 32 tokens)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -80,7 +90,7 @@ def _save(make, path):
 
 MAKERS = {"llama3": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
           "phi3_longrope": lambda: _phi3(None, True), "phi4_mini": lambda: _phi3(None, True, 0.5),
-          "gemma2": _gemma2, "gemma3": _gemma3}
+          "gemma2": _gemma2, "gemma3": _gemma3, "gemma3_multimodal": _gemma3_multimodal}
 
 
 @pytest.mark.parametrize("family", list(MAKERS))
