@@ -50,6 +50,7 @@ class ServeConfig:
                                            "writes its blocks under DIR/target-i (default: none)")
     kv_disk_gb: float = options.kv_disk_gb()
     kv_store_write_policy: str = options.kv_store_write_policy()
+    kv_store_write_threshold: int = options.kv_store_write_threshold()
     prefill_replicas: int = option(0, "prefill-only targets (prefill/decode disaggregation): the router has each "
                                       "prompt computed on one of them, which hands its KV blocks to the decode "
                                       "target (--kv-transfer). They listen on the ports after the expert shards'")
@@ -115,7 +116,7 @@ class ServeConfig:
         if self.target_replicas < 1:
             raise ValueError(f"target_replicas must be at least 1, got {self.target_replicas}")
         check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
-        check_write_policy(self.kv_store_write_policy)
+        check_write_policy(self.kv_store_write_policy, threshold=self.kv_store_write_threshold)
         if self.prefill_replicas < 0:
             raise ValueError(f"prefill_replicas must be >= 0, got {self.prefill_replicas}")
         options.check_kv_transfer(self.kv_transfer)
@@ -159,7 +160,8 @@ class ServeConfig:
             out += ["--kv-store", self.kv_store, "--kv-store-gb", str(self.kv_store_gb),
                     "--kv-store-ttl-s", str(self.kv_store_ttl_s)]
         if (self.kv_store or self.kv_disk_dir) and decode:
-            out += ["--kv-store-write-policy", self.kv_store_write_policy]
+            out += ["--kv-store-write-policy", self.kv_store_write_policy,
+                    "--kv-store-write-threshold", str(self.kv_store_write_threshold)]
         return out
 
 

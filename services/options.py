@@ -97,6 +97,11 @@ def kv_disk_gb() -> Any:
     return option(10.0, "size budget of the disk tier in GiB; past it the least recently used blocks go")
 
 
+def kv_store_write_threshold() -> Any:
+    return option(1, "write_through_selective: how many new requests must match a cached block (a shared prefix) "
+                     "before it is written (1: the first that shares it)")
+
+
 def kv_store_write_policy() -> Any:
     return option("write_through", "when full KV blocks go to the disk tier and Redis: write_through writes every "
                                    "block as it fills (a replica or a restarted target finds every prefix); "

@@ -50,6 +50,7 @@ class TargetConfig(options.TLS):
     kv_store_ttl_s: float = options.kv_store_ttl_s()
     kv_store_sync: bool = options.kv_store_sync()
     kv_store_write_policy: str = options.kv_store_write_policy()
+    kv_store_write_threshold: int = options.kv_store_write_threshold()
     kv_host_gb: float = options.kv_host_gb()
     kv_disk_dir: str | None = options.kv_disk_dir()
     kv_disk_gb: float = options.kv_disk_gb()
@@ -90,7 +91,7 @@ class TargetConfig(options.TLS):
         check_speculative_max_seqs(self.speculative_max_seqs)
         check_wide_threads(self.wide_threads)
         check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
-        check_write_policy(self.kv_store_write_policy, self.kv_store_sync)
+        check_write_policy(self.kv_store_write_policy, self.kv_store_sync, self.kv_store_write_threshold)
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port out of range: {self.metrics_port}")
         if self.stream_interval < 0:

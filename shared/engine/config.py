@@ -33,6 +33,7 @@ class EngineConfig:
     kv_store_ttl_s: float = 3600.0        # each block's time to live there, renewed when read
     kv_store_sync: bool = False           # each step waits until its blocks are written (prefill-only targets)
     kv_store_write_policy: str = "write_through"   # when blocks go to disk and Redis (WRITE_POLICIES)
+    kv_store_write_threshold: int = 1     # write_through_selective: new requests matching a block before it is written
     kv_host_gb: float = 0.0               # host-memory tier for blocks the KV cache evicts (0 = off)
     kv_disk_dir: str | None = None        # local-disk tier: a directory for every filled block (None = off)
     kv_disk_gb: float = 10.0              # its size budget (least recently used blocks go first)
@@ -55,7 +56,7 @@ class EngineConfig:
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)
-        check_write_policy(self.kv_store_write_policy, self.kv_store_sync)
+        check_write_policy(self.kv_store_write_policy, self.kv_store_sync, self.kv_store_write_threshold)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
@@ -104,8 +105,11 @@ def check_kv_store(url: str | None, budget_gb: float, ttl_s: float, host_gb: flo
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 
 
-def check_write_policy(policy: str, sync: bool = False) -> None:
-    """The one check of a kv_store_write_policy setting (engine, target and serve configs)."""
+def check_write_policy(policy: str, sync: bool = False, threshold: int = 1) -> None:
+    """The one check of the kv_store_write_policy and kv_store_write_threshold settings (engine, target and serve
+    configs)."""
+    if threshold < 1:
+        raise ValueError(f"kv_store_write_threshold must be at least 1, got {threshold}")
     if policy not in WRITE_POLICIES:
         raise ValueError(f"kv_store_write_policy must be one of {', '.join(WRITE_POLICIES)}, got {policy!r}")
     if sync and policy != "write_through":

@@ -80,7 +80,7 @@ class LLMEngine:
         if cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir:
             self.kv_store = open_block_store(self.block_layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
                                              cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb,
-                                             cfg.kv_store_write_policy)
+                                             cfg.kv_store_write_policy, cfg.kv_store_write_threshold)
         if self.kv_store is not None:
             self.block_manager.source = self.kv_store
             self.block_manager.track_evictions = self.kv_store.wants_evictions
@@ -240,7 +240,7 @@ class LLMEngine:
         store does not have yet: copied out for the store's writer (the step does not wait for the write)."""
         bm = self.block_manager
         if bm.reuses:
-            fresh = {h: b for b, h in bm.reuses if not self.kv_store.known(h)}          # hash -> block, once
+            fresh = {h: b for b, h in bm.reuses if self.kv_store.count_match(h)}      # hash -> block, once
             bm.reuses.clear()
             if fresh:
                 read = self.runner.read_blocks(list(fresh.values()))

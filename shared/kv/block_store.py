@@ -35,17 +35,20 @@ log = logging.getLogger(__name__)
 
 WRITE_BATCH = 16              # blocks per Redis write
 KNOWN_HASHES = 65536          # hashes remembered as already in Redis (not written again)
+MAX_COUNTED = 65536           # blocks whose matches write_through_selective counts at a time
 WRITER_NICE = 10              # the writer thread's nice value: encoding and sending yield to the forward passes
 
 
 class KVBlockStore:
     def __init__(self, layout: BlockLayout, *, host_bytes: int = 0, remote: RedisTier | None = None,
                  disk: DiskTier | None = None, max_pending_bytes: int = 256 << 20,
-                 write_policy: str = "write_through") -> None:
+                 write_policy: str = "write_through", write_threshold: int = 1) -> None:
         self.layout = layout
         # when blocks go to disk and Redis: as they fill (write_through); as the cache evicts them, and at a clean
         # stop (write_back); as they are evicted or first reused from the cache (write_through_selective)
         self.write_policy = write_policy
+        self.write_threshold = write_threshold     # write_through_selective: matches before a block is written
+        self._matches: OrderedDict[BlockHash, int] = OrderedDict()     # matches so far of blocks not yet due
         self.tag = layout.key_tag()
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.remote = remote
@@ -85,6 +88,20 @@ class KVBlockStore:
     def known(self, h: BlockHash) -> bool:
         """Whether this process wrote (or read) the block: it need not be written again."""
         return h in self._known
+
+    def count_match(self, h: BlockHash) -> bool:
+        """Counts a new request's match of the cached block `h` (write_through_selective) -> whether the block is
+        now due: matched write_threshold times and not written yet. Counts of the MAX_COUNTED blocks matched
+        last are kept."""
+        if h in self._known:
+            return False
+        n = self._matches.pop(h, 0) + 1
+        if n >= self.write_threshold:
+            return True
+        self._matches[h] = n
+        if len(self._matches) > MAX_COUNTED:
+            self._matches.popitem(last=False)
+        return False
 
     # ---------------------------------------------------------------- reads (engine thread)
     def lookup(self, hashes: Sequence[BlockHash]) -> list[BlockData]:
@@ -260,13 +277,14 @@ class KVBlockStore:
 
 
 def open_block_store(layout: BlockLayout, url: str | None, budget_gb: float, ttl_s: float, host_gb: float,
-                     disk_dir: str | None = None, disk_gb: float = 10.0, write_policy: str = "write_through"
-                     ) -> KVBlockStore | None:
+                     disk_dir: str | None = None, disk_gb: float = 10.0, write_policy: str = "write_through",
+                     write_threshold: int = 1) -> KVBlockStore | None:
     """The store the settings ask for: a Redis tier when `url` is set, a host tier when host_gb > 0, a disk tier
-    when disk_dir is set; None when none is. write_policy: when blocks go to disk and Redis (KVBlockStore)."""
+    when disk_dir is set; None when none is. write_policy, write_threshold: when blocks go to disk and Redis
+    (KVBlockStore)."""
     if not url and host_gb <= 0 and not disk_dir:
         return None
     remote = RedisTier(url, budget_bytes=int(budget_gb * 2**30), ttl_s=ttl_s) if url else None
     disk = DiskTier(disk_dir, int(disk_gb * 2**30), layout.key_tag()) if disk_dir else None
     return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote, disk=disk,
-                        write_policy=write_policy)
+                        write_policy=write_policy, write_threshold=write_threshold)

@@ -261,6 +261,28 @@ def test_write_through_selective_writes_shared_and_evicted_blocks(tiny_llama_dir
     assert len(list(disk.glob("*.kv"))) == evicted
 
 
+def test_write_through_selective_waits_for_the_threshold(tiny_llama_dir, tmp_path):
+    """kv_store_write_threshold 2: a block one later request shares is not written; the second sharer writes it."""
+    ids = prompt(15)
+    disk = tmp_path / "kv"
+    eng = make(tiny_llama_dir, blocks=32, kv_disk_dir=str(disk), kv_store_write_policy="write_through_selective",
+               kv_store_write_threshold=2)
+    expect, _ = run(eng, ids)
+    got, cached = run(eng, ids)                            # the first request to share the prefix: nothing yet
+    eng.kv_store.flush()
+    assert got == expect and cached > 0 and not list(disk.glob("*.kv"))
+    run(eng, ids)                                          # the second: the shared blocks are written, once
+    eng.kv_store.flush()
+    chain = hash_chain(ids, BS, cache_extra(eng.model_cfg.name))
+    assert sorted(disk.glob("*.kv")) == sorted(eng.kv_store.disk.path(h) for h in chain)
+    run(eng, ids)
+    eng.kv_store.flush()
+    assert len(list(disk.glob("*.kv"))) == len(chain)
+    eng.close()
+    with pytest.raises(ValueError, match="kv_store_write_threshold"):
+        EngineConfig(kv_store_write_policy="write_through_selective", kv_store_write_threshold=0)
+
+
 def test_the_disk_tier_keeps_to_its_budget(tiny_llama_dir, tmp_path):
     from shared.kv.block_codec import BlockData, encode
     probe = make(tiny_llama_dir, kv_disk_dir=str(tmp_path / "probe"))
