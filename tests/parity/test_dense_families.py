@@ -1,6 +1,6 @@
 """Dense families beside Llama: tiny random Qwen2, Qwen3, Mistral, Phi-3 and Gemma checkpoints made with
-transformers' own config classes and `save_pretrained`, against transformers in fp32 (teacher-forced logits, greedy tokens, n-gram
-speculation), sliding windows included."""
+transformers' own config classes and `save_pretrained`, against transformers in fp32 (teacher-forced logits,
+greedy tokens, n-gram speculation), sliding windows included."""
 from __future__ import annotations
 
 import pytest
