@@ -190,9 +190,11 @@ def _die_with_parent() -> None:
 
 
 def _child(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], start_new_session=True,
-                            preexec_fn=_die_with_parent if _prctl() is not None else None,
-                            env=None if env is None else {**os.environ, **env})
+    p = subprocess.Popen([sys.executable, "-m", "services.cli", *args], start_new_session=True,
+                         preexec_fn=_die_with_parent if _prctl() is not None else None,
+                         env=None if env is None else {**os.environ, **env})
+    p.upesi_command = (args, env)                    # to start it again (_wait_healthy)
+    return p
 
 
 def _expert_env(cfg: ServeConfig) -> dict[str, str] | None:
@@ -229,12 +231,22 @@ def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
     from shared.rpc.channel import sync_channel
 
     deadline = time.monotonic() + timeout_s
+    restarted: set[int] = set()
     with sync_channel(address, tls, trace=False) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
-            for p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"a service exited with code {p.returncode} while starting: {p.args[3:]}")
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    continue
+                if p.returncode < 0 and i not in restarted:
+                    # killed by a signal while starting (a crash: a thread or a file the system refused for a
+                    # moment): started once more; an exit with a code (bad flags, a missing model) is final
+                    print(f"upesi: a service died of signal {-p.returncode} while starting; starting it again: "
+                          f"{p.args[3:]}", file=sys.stderr, flush=True)
+                    restarted.add(i)
+                    procs[i] = _child(*p.upesi_command)
+                    continue
+                raise RuntimeError(f"a service exited with code {p.returncode} while starting: {p.args[3:]}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
