@@ -13,8 +13,8 @@ linear layers stay on oneDNN (shared.ops.packed_linear).
 
 On CPUs with AMX (amx_tile and amx_bf16) every call takes rows_gemm_amx.c instead: the same panels, read as AMX
 tiles (16 pairs of input features by 16 columns), with tdpbf16ps accumulating 16 rows by 16 columns at a time.
-Its cost is nearly flat in the rows: the default model's 121 linear layers streamed in 9.3 ms at 1 row, 10.0 at 9,
-11.8 at 32 and 15.4 at 64 (this kernel 9.6 / 17.1 / 47.3 / 92.1, oneDNN's AMX kernels 13.8 / - / 16.7 / 19.9;
+Its cost is nearly flat in the rows: the default model's 121 linear layers streamed in 9.3 ms at 1 row, 9.7 at 9,
+12.1 at 32 and 16.1 at 64 (this kernel 9.6 / 17.1 / 47.3 / 92.1, oneDNN's AMX kernels 13.8 / - / 16.7 / 19.9;
 docs/performance.md). Its rows are independent of each other too, but its sums are in another order than this
 kernel's, so one machine uses one of them for every call (UPESI_AMX=0 keeps this one).
 Shapes: M = rows, K = in features, N = out features, KK = K / 2, P = panels.
