@@ -63,7 +63,7 @@ def ancestor_mask(parents: list[int], device: torch.device | None = None) -> tor
 def walk_greedy(target_logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
     """target_logits [N + 1, V] (row 0: the root, row 1 + i: node i) -> (accepted nodes from the root down, the
     token emitted after them: the target's argmax where the walk stops)."""
-    best = target_logits.argmax(dim=-1).tolist()
+    best = target_logits.max(dim=-1).indices.tolist()     # argmax's indices (shared.engine.sampler.greedy_tokens)
     children: dict[int, list[int]] = {}
     for i, p in enumerate(parents):
         children.setdefault(p, []).append(i)

@@ -198,7 +198,12 @@ class LLMEngine:
                 self.scheduler.start(child)
                 sampled.append(child)
                 rows.append(row)                         # same next-token distribution, own generator
-        tokens = sample(logits[rows], sampled) if sampled else []
+        if not sampled:
+            tokens = []
+        elif rows == list(range(logits.shape[0])):       # one row per sequence, in order: no copy of the logits
+            tokens = sample(logits, sampled)
+        else:
+            tokens = sample(logits[rows], sampled)
         for seq, tok in zip(sampled, tokens):
             seq.token_ids.append(tok)
             reason = self._finish_reason(seq, tok)

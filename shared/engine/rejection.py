@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.sampler import greedy_tokens
+
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
     """target_logits [K + 1, V] -> (accepted count n, the token emitted after them)."""
-    best = target_logits.argmax(dim=-1).tolist()
+    best = greedy_tokens(target_logits).tolist()
     n = 0
     while n < len(draft) and draft[n] == best[n]:
         n += 1

@@ -71,6 +71,12 @@ def _sorted_filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(dim=-1))
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> [N] each row's first index of its maximum, as `argmax`: `max` over the last dim returns
+    the same index and took a third of argmax's time on CPU (0.45 against 1.24 ms at [32, 49152], 2 threads)."""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits [N, V] (row i belongs to seqs[i]) -> one token per row. Sampled rows draw one uniform u from their
     sequence's generator and take the first token whose cumulative probability exceeds u (inverse transform,
@@ -79,7 +85,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if greedy:                                                    # (no row copy when every row is greedy)
-        picked = (logits if not rows else logits[greedy]).argmax(dim=-1).tolist()
+        picked = greedy_tokens(logits if not rows else logits[greedy]).tolist()
         for i, tok in zip(greedy, picked):
             out[i] = tok
     if rows:

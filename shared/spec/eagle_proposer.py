@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from shared.engine.config import check_draft_confidence, check_tree_shape
 from shared.engine.proposal import NO_PROPOSAL, Proposal
-from shared.engine.sampler import probs_from_logits
+from shared.engine.sampler import greedy_tokens, probs_from_logits
 from shared.engine.sequence import Sequence
 from shared.spec.eagle import EagleHead, causal_mask
 from shared.spec.eagle_tree import draft_trees
@@ -204,7 +204,7 @@ class EagleProposer:
                 ) -> list[tuple[int, torch.Tensor | None, int]]:
         """logits [B, N] -> per row (full-vocab token, q [V] or None for a greedy point mass, reduced-vocab index)."""
         id_map = self.head.id_map
-        best = logits.argmax(-1)
+        best = greedy_tokens(logits)
         greedy, best = id_map[best].tolist(), best.tolist()
         out: list[tuple[int, torch.Tensor | None, int]] = []
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from shared.engine.proposal import Proposal
-from shared.engine.sampler import probs_from_logits
+from shared.engine.sampler import greedy_tokens, probs_from_logits
 from shared.engine.sequence import Sequence
 
 
@@ -98,12 +98,12 @@ class DraftModelProposer:
             params = [seqs[i].params for i in live]
             qs = probs_from_logits(logits, torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]),
                                    torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
-            greedy_tokens = logits.argmax(dim=-1).tolist()
+            greedy = greedy_tokens(logits).tolist()
             for (b, row, _), i in zip(groups, live):
                 m, s = mirrors[i], seqs[i]
                 m.num_computed_tokens = len(m)
                 if s.params.greedy:                   # q is a point mass on the draft's argmax
-                    tok = greedy_tokens[row]
+                    tok = greedy[row]
                     q = torch.nn.functional.one_hot(torch.tensor(tok), logits.shape[-1]).float()
                 else:
                     q = qs[row]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from shared.engine.sampler import probs_from_logits, sample
+from shared.engine.sampler import greedy_tokens, probs_from_logits, sample
 from shared.engine.sequence import Sequence
 from shared.errors import InvalidRequest
 from shared.sampling_params import SamplingParams
@@ -53,6 +53,18 @@ def test_greedy_is_argmax_and_seeded_sampling_reproduces():
     # choice i uses seed + i: choice 1 with seed 7 is choice 0 with seed 8
     eight = SamplingParams(temperature=1.0, seed=8)
     assert sample(logits[1:2], [Sequence("x", 1, [1], p)]) == sample(logits[1:2], [Sequence("y", 0, [1], eight)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_take_the_first_maximum_of_each_row(dtype):
+    """Rows of few distinct values (ties everywhere) and one row of NaN-free random logits at a real vocab size:
+    each row's token is the first index holding its maximum, as a plain loop finds it."""
+    g = torch.Generator().manual_seed(2)
+    ties = torch.randint(0, 4, (33, 257), generator=g).to(dtype)
+    wide = torch.randn(5, 49152, generator=g).to(dtype)
+    for logits in (ties, wide):
+        want = [row.index(max(row)) for row in logits.float().tolist()]
+        assert greedy_tokens(logits).tolist() == want
 
 
 def test_sampling_frequencies_follow_probs():
