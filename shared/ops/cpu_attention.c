@@ -219,12 +219,106 @@ static inline void axpy_tile1(float *a, const float *w, const float *v, int dh, 
     _mm256_storeu_ps(a, s0);
 }
 
+// The bf16 cache on CPUs with AVX-512 (AVX512-BF16 for the scores), head dims a multiple of 32, when the loader
+// turns it on (upesi_attention_avx512): the scores by vdpbf16ps straight from the cache, the weighted sum of V
+// with each V row widened in registers and every row's accumulator held in zmm registers. The sum of V is the
+// same sequence of fused multiply-adds per output lane as axpy_tile8's (bit-identical); the scores are another
+// fixed procedure, so one process uses one of the two paths for every row.
+static int use_avx512 = 0;
+
+void upesi_attention_avx512(int on) { use_avx512 = on; }
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16")))
+
+// Raw scores q . k * scale of `nq` bf16 query heads qb [nq, Dh] against positions p_start .. npad - 1 (whole tiles
+// of 8) of one kv head: each score is one chain of Dh / 16 dpbf16 steps over 8 lanes (pairs of dims) in dim order,
+// then hsum8's tree, so it does not depend on the tile or the rows around it. Positions from n on read zeros.
+static const uint16_t zero_row[512];
+
+AVX512_BF16 static void scores_dpbf16(const uint16_t *qb, int64_t nq, const uint16_t *k_cache, const int64_t *slots,
+                                      int64_t p_start, int64_t n, int64_t npad, int kvh, int grp, int dh,
+                                      float scale, float *scores, int64_t cap) {
+    for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
+        const uint16_t *kr[8];
+        for (int i = 0; i < 8; i++)
+            kr[i] = p0 + i < n ? k_cache + (slots[p0 + i] * kvh + grp) * dh : zero_row;
+        for (int64_t p = p0 + 8; p < p0 + 16 && p < n; p++)              // the next tile's rows
+            for (int b = 0; b < dh * 2; b += 64)
+                _mm_prefetch((const char *)(k_cache + (slots[p] * kvh + grp) * dh) + b, _MM_HINT_T0);
+        for (int64_t re = 0; re < nq; re++) {
+            const uint16_t *qr = qb + re * dh;
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+            for (int x = 0; x < dh; x += 16) {
+                __m256bh qx = (__m256bh)_mm256_loadu_si256((const void *)(qr + x));
+                for (int i = 0; i < 8; i++)
+                    a[i] = _mm256_dpbf16_ps(a[i], qx, (__m256bh)_mm256_loadu_si256((const void *)(kr[i] + x)));
+            }
+            _mm256_storeu_ps(scores + re * cap + p0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+        }
+    }
+}
+
+// acc [NQ, Dh] (rows dh apart) lanes c0 .. c0 + 16 W - 1 += sum over positions p_start .. n - 1, in order, of
+// w[q][p] * v_p (bf16 rows, widened), for NQ <= 4 weight rows w (cap apart) and W <= 4 zmm of lanes.
+static inline __attribute__((always_inline)) AVX512_BF16 void pv_chunk(
+        const float *w, int64_t cap, const int nq, const int nw, const uint16_t *v_cache, const int64_t *slots,
+        int64_t p_start, int64_t n, int64_t pos_stride, int64_t c0, float *acc, int64_t dh) {
+    __m512 a[4][4];
+    for (int q = 0; q < nq; q++)
+        for (int j = 0; j < nw; j++) a[q][j] = _mm512_loadu_ps(acc + q * dh + c0 + 16 * j);
+    for (int64_t p = p_start; p < n; p++) {
+        const uint16_t *v = v_cache + slots[p] * pos_stride + c0;
+        if (p + 8 < n) _mm_prefetch((const char *)(v_cache + slots[p + 8] * pos_stride + c0), _MM_HINT_T0);
+        __m512 vv[4];
+        for (int j = 0; j < nw; j++)
+            vv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm256_loadu_si256((const __m256i *)(v + 16 * j))), 16));
+        for (int q = 0; q < nq; q++) {
+            __m512 wq = _mm512_set1_ps(w[q * cap + p]);
+            for (int j = 0; j < nw; j++) a[q][j] = _mm512_fmadd_ps(wq, vv[j], a[q][j]);
+        }
+    }
+    for (int q = 0; q < nq; q++)
+        for (int j = 0; j < nw; j++) _mm512_storeu_ps(acc + q * dh + c0 + 16 * j, a[q][j]);
+}
+
+// acc [nq, Dh] += the weights [nq, cap] times the bf16 V rows of positions p_start .. n - 1 of one kv head
+// (`off` into each position's row of the cache), lanes in chunks of 64 (or 32), rows in groups of up to 4.
+AVX512_BF16 static void pv_bf16(const float *w, int64_t nq, int64_t cap, const uint16_t *v_cache,
+                                const int64_t *slots, int64_t p_start, int64_t n, int64_t pos_stride, int64_t off,
+                                int dh, float *acc) {
+    for (int64_t q0 = 0; q0 < nq; q0 += 4) {
+        int m = (int)(nq - q0 < 4 ? nq - q0 : 4);
+        const float *wq = w + q0 * cap;
+        float *aq = acc + q0 * dh;
+        for (int64_t c0 = 0; c0 < dh; c0 += (dh - c0 >= 64 ? 64 : 32)) {
+            const uint16_t *vc = v_cache + off;
+            if (dh - c0 >= 64) {
+                switch (m) {
+                    case 1: pv_chunk(wq, cap, 1, 4, vc, slots, p_start, n, pos_stride, c0, aq, dh); break;
+                    case 2: pv_chunk(wq, cap, 2, 4, vc, slots, p_start, n, pos_stride, c0, aq, dh); break;
+                    case 3: pv_chunk(wq, cap, 3, 4, vc, slots, p_start, n, pos_stride, c0, aq, dh); break;
+                    default: pv_chunk(wq, cap, 4, 4, vc, slots, p_start, n, pos_stride, c0, aq, dh); break;
+                }
+            } else {
+                switch (m) {
+                    case 1: pv_chunk(wq, cap, 1, 2, vc, slots, p_start, n, pos_stride, c0, aq, dh); break;
+                    case 2: pv_chunk(wq, cap, 2, 2, vc, slots, p_start, n, pos_stride, c0, aq, dh); break;
+                    case 3: pv_chunk(wq, cap, 3, 2, vc, slots, p_start, n, pos_stride, c0, aq, dh); break;
+                    default: pv_chunk(wq, cap, 4, 2, vc, slots, p_start, n, pos_stride, c0, aq, dh); break;
+                }
+            }
+        }
+    }
+}
+
 void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache,
                            const void *v_cache, const int64_t *block_tables, int64_t mb, int bs,
                            const int64_t *rows, const int64_t *blocks, int64_t nblocks, int h, int kvh, int dh,
                            float scale, int bf16, int64_t max_len, int64_t max_rows, int64_t window,
                            float softcap) {
-    int g = h / kvh, dv = dh / 8;                               // dh is a multiple of 8 (checked by the caller)
+    int g = h / kvh, dv = dh / 8, fast = bf16 && use_avx512 && dh % 32 == 0;                               // dh is a multiple of 8 (checked by the caller)
     int64_t work = nblocks * kvh, cap = (max_len > 0 ? max_len : 1) + 8;
     #pragma omp parallel if (work > 1)
     {
@@ -232,6 +326,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         float *scores = malloc(sizeof(float) * (size_t)(max_rows * g * cap));
         float *qv = malloc(sizeof(float) * (size_t)(max_rows * g * dh));
         float *acc = malloc(sizeof(float) * (size_t)(max_rows * g * dh));
+        uint16_t *qb = malloc(sizeof(uint16_t) * (size_t)(max_rows * g * dh));   // bf16 q rows (the fast path)
         float *kept = malloc(sizeof(float) * (size_t)cap);
         unsigned char *on = malloc((size_t)cap);                // a tree row: which positions it attends
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)cap);
@@ -264,11 +359,24 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
                     load_row(q, d0[r * 5] * q_stride + (int64_t)(grp * g + e) * dh, dh, bf16, qv + (r * g + e) * dh);
             // scores, 8 positions at a time, each K row read once for all rows: every position's q . k is its own
             // 8 lanes (fused multiply-adds over the head dim in order) summed by one tree, whatever the chunk
-            for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
-                load_tile(k_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
-                for (int64_t re = 0; re < nr * g; re++) {
-                    __m256 s8 = _mm256_mul_ps(dot_tile(qv + re * dh, kv, dh), _mm256_set1_ps(scale));
-                    _mm256_storeu_ps(scores + re * cap + p0, softcap > 0.f ? softcap8(s8, softcap) : s8);
+            if (fast) {
+                for (int64_t r = 0; r < nr; r++)
+                    memcpy(qb + r * g * dh, (const uint16_t *)q + d0[r * 5] * q_stride + (int64_t)grp * g * dh,
+                           sizeof(uint16_t) * (size_t)(g * dh));
+                scores_dpbf16(qb, nr * g, (const uint16_t *)k_cache, slots, p_start, n, npad, kvh, grp, dh, scale,
+                              scores, cap);
+                if (softcap > 0.f)
+                    for (int64_t re = 0; re < nr * g; re++)
+                        for (int64_t p0 = p_start; p0 < npad; p0 += 8)
+                            _mm256_storeu_ps(scores + re * cap + p0,
+                                             softcap8(_mm256_loadu_ps(scores + re * cap + p0), softcap));
+            } else {
+                for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
+                    load_tile(k_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
+                    for (int64_t re = 0; re < nr * g; re++) {
+                        __m256 s8 = _mm256_mul_ps(dot_tile(qv + re * dh, kv, dh), _mm256_set1_ps(scale));
+                        _mm256_storeu_ps(scores + re * cap + p0, softcap > 0.f ? softcap8(s8, softcap) : s8);
+                    }
                 }
             }
             // softmax of each row and head over the positions it attends; the others weigh 0 below
@@ -319,7 +427,10 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
             // weighted sum of V, 8 positions at a time, each V row read once: every output lane adds its
             // positions' products in position order (a position a row does not attend adds 0 x v)
             memset(acc, 0, sizeof(float) * (size_t)(nr * g * dh));
-            for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
+            if (fast) {
+                pv_bf16(scores, nr * g, cap, (const uint16_t *)v_cache, slots, p_start, n, (int64_t)kvh * dh,
+                        (int64_t)grp * dh, dh, acc);
+            } else for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
                 load_tile(v_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
                 int cnt = (int)(n - p0 < 8 ? n - p0 : 8);
                 for (int64_t re = 0; re < nr * g; re++) {
@@ -338,6 +449,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         free(scores);
         free(qv);
         free(acc);
+        free(qb);
         free(kept);
         free(on);
         free(slots);

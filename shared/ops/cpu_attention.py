@@ -17,11 +17,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from shared.ops import c_build
+from shared.ops.cpu_features import cpu_flags
 from shared.ops.paged_attention import AttentionMetadata, _extend, paged_attention_ref
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,19 @@ def _lib() -> ctypes.CDLL | None:
                                           ctypes.c_float]
     for fn in (lib.upesi_rope_store, lib.upesi_paged_attention):
         fn.restype = None
+    lib.upesi_attention_avx512.argtypes, lib.upesi_attention_avx512.restype = [ctypes.c_int], None
+    lib.upesi_attention_avx512(int(avx512_default()))
     return lib
+
+
+def avx512_default() -> bool:
+    """The bf16 cache's AVX-512 path where the CPU has AVX512-BF16, unless UPESI_ATTENTION_AVX512 is 0."""
+    return "avx512_bf16" in cpu_flags() and os.environ.get("UPESI_ATTENTION_AVX512", "1") not in ("0", "false", "no")
+
+
+def set_avx512(on: bool) -> None:
+    """Whether bf16 rows (head dims a multiple of 32) take the AVX-512 path from now on, in this process."""
+    _lib().upesi_attention_avx512(int(on))
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -65,7 +79,29 @@ def available() -> bool:
     ok = _agrees()
     if not ok:
         log.warning("CPU attention kernel disagrees with the torch reference on this machine; using torch")
+    elif avx512_default() and not _agrees_avx512():
+        log.warning("CPU attention's AVX-512 path disagrees with the torch reference on this machine; not using it")
+        set_avx512(False)
     return ok
+
+
+def _agrees_avx512() -> bool:
+    """The AVX-512 path on a bf16 step (a decode, a 5-token chain, a 3-node tree, head dim 64) within 2e-2 of the
+    reference."""
+    from shared.tree import ancestor_mask
+    g = torch.Generator().manual_seed(1)
+    nb, bs, kvh, h, dh = 8, 4, 2, 6, 64
+    kc = torch.randn(nb, bs, kvh, dh, generator=g).bfloat16()
+    vc = torch.randn(nb, bs, kvh, dh, generator=g).bfloat16()
+    lens, qlens = [7, 9, 6], [1, 5, 4]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([10, 21, 22, 23, 24, 25, 28, 29, 30, 31]),
+        block_tables=torch.tensor([[2, 1, 0], [3, 4, 5], [6, 7, 0]]), seq_lens=torch.tensor(lens),
+        query_start_loc=torch.tensor([0, 1, 6, 10]), num_decodes=1, query_lens=qlens, seq_lens_host=lens,
+        max_query_len=5, tree_masks={2: ancestor_mask([-1, -1, 0])})
+    q = torch.randn(10, h, dh, generator=g).bfloat16()
+    got = paged_attention(q, kc, vc, meta, 0.125).float()
+    return torch.allclose(got, paged_attention_ref(q, kc, vc, meta, 0.125).float(), rtol=2e-2, atol=2e-2)
 
 
 def _agrees() -> bool:

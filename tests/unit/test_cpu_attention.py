@@ -10,6 +10,16 @@ from shared.ops.rope import apply_rope
 from shared.tree import ancestor_mask
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C attention kernel does not build here")
+PATHS = ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(not cpu_attention.avx512_default(),
+                                                                  reason="no AVX512-BF16 here"))]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    """The bf16 cache's path for the test (fp32 always takes the AVX2 one); the default is restored after."""
+    cpu_attention.set_avx512(request.param == "avx512")
+    yield request.param
+    cpu_attention.set_avx512(cpu_attention.avx512_default())
 
 
 def make_step(lens: list[int], qlens: list[int], nb: int, bs: int, trees: dict[int, list[int]] | None = None,
@@ -34,7 +44,7 @@ def make_step(lens: list[int], qlens: list[int], nb: int, bs: int, trees: dict[i
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("h,kvh,dh", [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 2, 72)])   # 72: 9 lanes of 8
-def test_matches_reference(dtype, tol, h, kvh, dh):
+def test_matches_reference(dtype, tol, h, kvh, dh, path):
     # three decodes, a 9-row chain (verification), an 8-node tree, a 70-token prefill (left to the reference)
     lens, qlens = [40, 3, 17, 30, 25, 90], [1, 1, 1, 9, 9, 70]
     meta = make_step(lens, qlens, nb=64, bs=16, trees={4: [-1, -1, 0, 0, 1, 2, 4, 6]})
@@ -48,12 +58,13 @@ def test_matches_reference(dtype, tol, h, kvh, dh):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_rows_do_not_depend_on_their_neighbours():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_their_neighbours(dtype, path):
     """A sequence's decode row gives the same bits alone and beside other sequences; a verification row of a chain
     gives the bits of the decode row at its position."""
     g = torch.Generator().manual_seed(2)
-    kc, vc = torch.randn(32, 16, 3, 64, generator=g), torch.randn(32, 16, 3, 64, generator=g)
-    q = torch.randn(6, 9, 64, generator=g)
+    kc, vc = torch.randn(32, 16, 3, 64, generator=g).to(dtype), torch.randn(32, 16, 3, 64, generator=g).to(dtype)
+    q = torch.randn(6, 9, 64, generator=g).to(dtype)
     batch = make_step([50, 20, 33], [1, 1, 4], nb=32, bs=16, seed=3)
     out = cpu_attention.paged_attention(q, kc, vc, batch, 0.125)
     alone = AttentionMetadata(batch.slot_mapping[:1], batch.block_tables[:1], batch.seq_lens[:1],
