@@ -23,6 +23,8 @@
 
 #include "bf16.h"
 
+#define PREFETCH 16           // rows of K and V read ahead (about a DRAM latency of work at 64 dims)
+
 
 static inline void load_row(const void *base, int64_t off, int n, int bf16, float *dst) {
     if (bf16) {
@@ -242,7 +244,7 @@ AVX512_BF16 static void scores_dpbf16(const uint16_t *qb, int64_t nq, const uint
         const uint16_t *kr[8];
         for (int i = 0; i < 8; i++)
             kr[i] = p0 + i < n ? k_cache + (slots[p0 + i] * kvh + grp) * dh : zero_row;
-        for (int64_t p = p0 + 8; p < p0 + 16 && p < n; p++)              // the next tile's rows
+        for (int64_t p = p0 + PREFETCH; p < p0 + PREFETCH + 8 && p < n; p++)   // a later tile's rows
             for (int b = 0; b < dh * 2; b += 64)
                 _mm_prefetch((const char *)(k_cache + (slots[p] * kvh + grp) * dh) + b, _MM_HINT_T0);
         for (int64_t re = 0; re < nq; re++) {
@@ -269,7 +271,9 @@ static inline __attribute__((always_inline)) AVX512_BF16 void pv_chunk(
         for (int j = 0; j < nw; j++) a[q][j] = _mm512_loadu_ps(acc + q * dh + c0 + 16 * j);
     for (int64_t p = p_start; p < n; p++) {
         const uint16_t *v = v_cache + slots[p] * pos_stride + c0;
-        if (p + 8 < n) _mm_prefetch((const char *)(v_cache + slots[p + 8] * pos_stride + c0), _MM_HINT_T0);
+        if (p + PREFETCH < n)                                  // every line of this chunk, PREFETCH rows ahead
+            for (int b = 0; b < nw * 32; b += 32)
+                _mm_prefetch((const char *)(v_cache + slots[p + PREFETCH] * pos_stride + c0 + b), _MM_HINT_T0);
         __m512 vv[4];
         for (int j = 0; j < nw; j++)
             vv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
@@ -318,7 +322,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
                            const int64_t *rows, const int64_t *blocks, int64_t nblocks, int h, int kvh, int dh,
                            float scale, int bf16, int64_t max_len, int64_t max_rows, int64_t window,
                            float softcap) {
-    int g = h / kvh, dv = dh / 8, fast = bf16 && use_avx512 && dh % 32 == 0;                               // dh is a multiple of 8 (checked by the caller)
+    int g = h / kvh, dv = dh / 8, fast = bf16 && use_avx512 && dh % 32 == 0;   // dh: a multiple of 8 (the caller)
     int64_t work = nblocks * kvh, cap = (max_len > 0 ? max_len : 1) + 8;
     #pragma omp parallel if (work > 1)
     {
