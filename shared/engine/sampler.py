@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.sequence import Sequence
+from shared.ops.argmax import argmax_rows
 
 CANDIDATES = 256          # tokens a filtered row looks at first (topk 0.12 ms a row against a 4.2 ms full sort)
 
@@ -72,9 +73,9 @@ def _sorted_filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] -> [N] each row's first index of its maximum, as `argmax`: `max` over the last dim returns
-    the same index and took a third of argmax's time on CPU (0.45 against 1.24 ms at [32, 49152], 2 threads)."""
-    return logits.max(dim=-1).indices
+    """logits [N, V] -> [N] each row's first index of its maximum, as `argmax` (shared.ops.argmax: 0.16 ms at
+    [32, 49152] fp32 on 2 CPU threads, against 1.24 for torch's argmax and 0.43 for its max over the last dim)."""
+    return argmax_rows(logits)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

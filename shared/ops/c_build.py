@@ -1,5 +1,5 @@
 """Compiles a C kernel of shared/ops once per machine and loads it with ctypes (rows_gemm.c, rows_gemm_bf16.c,
-rows_gemm_amx.c, cpu_attention.c, rms_norm.c, decoder_bf16.c).
+rows_gemm_amx.c, cpu_attention.c, rms_norm.c, decoder_bf16.c, argmax.c).
 
 The shared object goes to ~/.cache/upesi/kernels (or $UPESI_KERNEL_CACHE), named by the hash of the source, the
 headers beside it and the flags, with an atomic rename, so concurrent processes may race; `-fopenmp` links the
