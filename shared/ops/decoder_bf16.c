@@ -53,7 +53,9 @@ static inline __m512 exp16(__m512 x) {
 
 // gu [T, 2I] (gate, then up, rows ld apart) -> out [T, I]: round(round(silu(gate)) * up), as torch's
 // F.silu(gate) * up on bf16 tensors rounds (its exp may differ from exp16 in the last fp32 bit).
-void upesi_silu_mul_bf16(const uint16_t *gu, int64_t t, int64_t ld, int64_t inter, uint16_t *out) {
+// Rows are split between `threads` threads when there are several (each element is computed alone).
+void upesi_silu_mul_bf16(const uint16_t *gu, int64_t t, int64_t ld, int64_t inter, uint16_t *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && t > 1 && t * inter >= 8192)
     for (int64_t r = 0; r < t; r++)
         for (int64_t i = 0; i < inter; i += 16) {
             int64_t left = inter - i;
@@ -67,8 +69,9 @@ void upesi_silu_mul_bf16(const uint16_t *gu, int64_t t, int64_t ld, int64_t inte
         }
 }
 
-// x [T, D] += a [T, D], rounded to bf16 (torch's bf16 add).
-static void add_rows(uint16_t *x, const uint16_t *a, int64_t n) {
+// x [T, D] += a [T, D], rounded to bf16 (torch's bf16 add); split between `threads` threads when long.
+static void add_rows(uint16_t *x, const uint16_t *a, int64_t n, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 8192)
     for (int64_t i = 0; i < n; i += 16) {
         int64_t left = n - i;
         __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
@@ -110,12 +113,12 @@ void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *
         attn(qkv, nqkv, o, nq, (const void *)w[K_CACHE], (const void *)w[V_CACHE], block_tables, mb, bs, rows,
              blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows, w[WINDOW], 0.f);
         gemm(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);
-        add_rows(x, a, t * d);
+        add_rows(x, a, t * d, threads);
         norm(x, t, d, d, (const void *)w[W_NORM2], eps, nx, 1);
         gemm(nx, t, d, d, (const uint16_t *)w[W_GU], (const uint16_t *)w[B_GU], 2 * inter, gu, 2 * inter, threads);
-        upesi_silu_mul_bf16(gu, t, 2 * inter, inter, act);
+        upesi_silu_mul_bf16(gu, t, 2 * inter, inter, act, threads);
         gemm(act, t, inter, inter, (const uint16_t *)w[W_DOWN], (const uint16_t *)w[B_DOWN], d, a, d, threads);
-        add_rows(x, a, t * d);
+        add_rows(x, a, t * d, threads);
     }
     free(nx); free(qkv); free(o); free(a); free(gu); free(act);
 }

@@ -45,7 +45,7 @@ def _lib() -> ctypes.CDLL | None:
     lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_CPU_DECODER", "CPU decoder kernel")
     if lib is None:
         return None
-    lib.upesi_silu_mul_bf16.argtypes = [_P, _I, _I, _I, _P]
+    lib.upesi_silu_mul_bf16.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int]
     lib.upesi_decoder_bf16.argtypes = [_P, _P, _P, _F, _F, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I]
     for fn in (lib.upesi_silu_mul_bf16, lib.upesi_decoder_bf16):
         fn.restype = None
@@ -69,7 +69,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out = torch.empty(x.shape[0], two_i // 2, dtype=torch.bfloat16)
     if x.shape[0]:
-        _lib().upesi_silu_mul_bf16(x.data_ptr(), x.shape[0], x.stride(0), two_i // 2, out.data_ptr())
+        _lib().upesi_silu_mul_bf16(x.data_ptr(), x.shape[0], x.stride(0), two_i // 2, out.data_ptr(),
+                                   torch.get_num_threads())
     return out.view(*gate_up.shape[:-1], two_i // 2)
 
 
