@@ -358,7 +358,7 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
                 int64_t base = table[b] * bs;
                 for (int o = 0; o < bs && p < n; o++) slots[p++] = base + o;
             }
-            for (int64_t r = 0; r < nr; r++)
+            for (int64_t r = 0; r < nr && !fast; r++)               // fp32 q rows (the fast path reads bf16)
                 for (int e = 0; e < g; e++)
                     load_row(q, d0[r * 5] * q_stride + (int64_t)(grp * g + e) * dh, dh, bf16, qv + (r * g + e) * dh);
             // scores, 8 positions at a time, each K row read once for all rows: every position's q . k is its own
