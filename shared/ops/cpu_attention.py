@@ -85,20 +85,25 @@ def available() -> bool:
     return ok
 
 
-def _agrees_avx512() -> bool:
-    """The AVX-512 path on a bf16 step (a decode, a 5-token chain, a 3-node tree, head dim 64) within 2e-2 of the
-    reference."""
+def _check_step() -> AttentionMetadata:
+    """The self-checks' step over 8 blocks of 4: a decode (7 tokens), a 5-token chain (9) and a 3-node tree (6)."""
     from shared.tree import ancestor_mask
-    g = torch.Generator().manual_seed(1)
-    nb, bs, kvh, h, dh = 8, 4, 2, 6, 64
-    kc = torch.randn(nb, bs, kvh, dh, generator=g).bfloat16()
-    vc = torch.randn(nb, bs, kvh, dh, generator=g).bfloat16()
     lens, qlens = [7, 9, 6], [1, 5, 4]
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=torch.tensor([10, 21, 22, 23, 24, 25, 28, 29, 30, 31]),
         block_tables=torch.tensor([[2, 1, 0], [3, 4, 5], [6, 7, 0]]), seq_lens=torch.tensor(lens),
         query_start_loc=torch.tensor([0, 1, 6, 10]), num_decodes=1, query_lens=qlens, seq_lens_host=lens,
         max_query_len=5, tree_masks={2: ancestor_mask([-1, -1, 0])})
+
+
+def _agrees_avx512() -> bool:
+    """The AVX-512 path on a bf16 step (a decode, a 5-token chain, a 3-node tree, head dim 64) within 2e-2 of the
+    reference."""
+    g = torch.Generator().manual_seed(1)
+    nb, bs, kvh, h, dh = 8, 4, 2, 6, 64
+    kc = torch.randn(nb, bs, kvh, dh, generator=g).bfloat16()
+    vc = torch.randn(nb, bs, kvh, dh, generator=g).bfloat16()
+    meta = _check_step()
     q = torch.randn(10, h, dh, generator=g).bfloat16()
     got = paged_attention(q, kc, vc, meta, 0.125).float()
     return torch.allclose(got, paged_attention_ref(q, kc, vc, meta, 0.125).float(), rtol=2e-2, atol=2e-2)
@@ -110,16 +115,10 @@ def _agrees() -> bool:
     bf16, rotating every dim of a head or half of them (a partial rotary factor)."""
     from shared.ops.paged_attention import write_kv
     from shared.ops.rope import apply_rope
-    from shared.tree import ancestor_mask
     g = torch.Generator().manual_seed(0)
     nb, bs, kvh, h, dh = 8, 4, 2, 4, 16
     kc, vc = torch.randn(nb, bs, kvh, dh, generator=g), torch.randn(nb, bs, kvh, dh, generator=g)
-    lens, qlens = [7, 9, 6], [1, 5, 4]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([10, 21, 22, 23, 24, 25, 28, 29, 30, 31]),
-        block_tables=torch.tensor([[2, 1, 0], [3, 4, 5], [6, 7, 0]]), seq_lens=torch.tensor(lens),
-        query_start_loc=torch.tensor([0, 1, 6, 10]), num_decodes=1, query_lens=qlens, seq_lens_host=lens,
-        max_query_len=5, tree_masks={2: ancestor_mask([-1, -1, 0])})
+    meta = _check_step()
     q = torch.randn(10, h, dh, generator=g)
     if not torch.allclose(paged_attention(q, kc, vc, meta, 0.25), paged_attention_ref(q, kc, vc, meta, 0.25),
                           rtol=1e-5, atol=1e-5):
