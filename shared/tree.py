@@ -21,7 +21,10 @@ Shapes: N = tree nodes, V = vocab.
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_TREE_NODES = 64      # the most nodes of one sequence's tree (a target drops larger ones from a draft service)
 
@@ -50,6 +53,8 @@ def depths(parents: list[int]) -> list[int]:
 def ancestor_mask(parents: list[int], device: torch.device | None = None) -> torch.Tensor:
     """[N + 1, N + 1] bool over (root, nodes): row j may attend to column i iff i is j, or an ancestor of j, or the
     root. Row 0 is the root itself (it attends only to itself among the new tokens)."""
+    import torch                           # here: the launcher checks tree settings without loading torch
+
     n = len(parents)
     mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
     mask[:, 0] = True

@@ -91,11 +91,18 @@ def ffn_forward(units: Mapping[int, FfnUnit], hidden: torch.Tensor, unit_ids: to
 
 def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], bool], num_slices: int,
                progress: bool = False, act_quant: bool = False) -> dict[Unit, FfnUnit]:
-    """Streams the checkpoint tensor by tensor (a GGUF is dequantised whole) and keeps the units `wanted(layer, unit,
-    dense)` accepts; dense FFNs are cut into `num_slices` slices. Quantised layers stay packed (act_quant: their
-    NVFP4 layers emulate W4A4)."""
+    """Streams the checkpoint tensor by tensor (only the FFN tensors of wanted units are read or dequantised) and
+    keeps the units `wanted(layer, unit, dense)` accepts; dense FFNs are cut into `num_slices` slices. Quantised
+    layers stay packed (act_quant: their NVFP4 layers emulate W4A4)."""
+    def keep(name: str) -> bool:
+        if (m := _EXPERT.fullmatch(name)) and int(m[1]) < cfg.num_layers:
+            return wanted(int(m[1]), int(m[2]), False)
+        if (m := _DENSE.fullmatch(name)) and int(m[1]) < cfg.num_layers:
+            return any(wanted(int(m[1]), s, True) for s in range(num_slices))
+        return False
+
     parts: dict[Unit, dict[str, torch.Tensor]] = defaultdict(dict)
-    for name, w in iter_weights(path, cfg, progress):
+    for name, w in iter_weights(path, cfg, progress, keep=keep):
         if (m := _EXPERT.fullmatch(name) or _DENSE.fullmatch(name)) and int(m[1]) >= cfg.num_layers:
             continue                                                        # past the decoder (DeepSeek-V3's MTP)
         if m := _EXPERT.fullmatch(name):

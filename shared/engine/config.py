@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.ops.cpu_features import cpu_has_native_bf16
 from shared.tree import MAX_TREE_NODES
+
+if TYPE_CHECKING:                      # torch is imported where it is used: `upesi serve` checks its flags
+    import torch                       # and starts the services without it
 
 
 @dataclass(slots=True)
@@ -70,6 +72,8 @@ class EngineConfig:
 
 def resolve_device(name: str) -> torch.device:
     """"auto" = cuda when present, else cpu."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -77,6 +81,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """A dtype name -> torch's dtype; "auto" as `serving_dtype` resolves it."""
+    import torch
+
     return getattr(torch, serving_dtype(name, device))
 
 

@@ -10,9 +10,9 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from tqdm import tqdm
 
 from shared.model.config import ModelConfig
 from shared.model_files import ModelNotFound, file_version, is_gguf
+
+if TYPE_CHECKING:
+    from shared.model.gguf_index import GGUFIndex
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 
@@ -60,12 +63,15 @@ def load_config(path: str, overrides: dict[str, Any] | None = None) -> ModelConf
     return cfg
 
 
-def iter_weights(path: str, cfg: ModelConfig, progress: bool = True) -> Weights:
+def iter_weights(path: str, cfg: ModelConfig, progress: bool = True,
+                 keep: Callable[[str], bool] | None = None) -> Weights:
+    """The checkpoint's tensors by their Hugging Face names; with `keep`, only those it accepts, and the others are
+    neither read nor dequantised (a draft service wants 3 tensors, an expert shard the FFNs)."""
     if is_gguf(path):
-        return _gguf_weights(path, cfg, progress)
+        return _gguf_weights(path, cfg, progress, keep)
     if cfg.extra.get("text_tower_of"):
-        return _text_tower(_safetensors_weights(path, progress))
-    return _safetensors_weights(path, progress)
+        return (nw for nw in _text_tower(_safetensors_weights(path, progress)) if keep is None or keep(nw[0]))
+    return _safetensors_weights(path, progress, keep)
 
 
 def _text_tower(weights: Weights) -> Weights:
@@ -78,7 +84,7 @@ def _text_tower(weights: Weights) -> Weights:
 
 
 # ---------------------------------------------------------------- Hugging Face folders
-def _safetensors_weights(folder: str, progress: bool) -> Weights:
+def _safetensors_weights(folder: str, progress: bool, keep: Callable[[str], bool] | None = None) -> Weights:
     from safetensors import safe_open
 
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -87,7 +93,8 @@ def _safetensors_weights(folder: str, progress: bool) -> Weights:
     for file in tqdm(files, desc="Loading safetensors", disable=not progress or len(files) < 2):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -116,19 +123,17 @@ _GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "ge
 _GGUF_ARCH_AS = {"gemma3": "gemma3_text"}                      # llama.cpp's name -> shared.model.registry's
 
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _gguf_field(reader: GGUFIndex, key: str, default=None):
+    return reader.get(key, default)
 
 
 @functools.lru_cache(maxsize=2)
-def _reader(path: str, mtime_ns: int, size: int):
-    """A GGUFReader shared by the config and the weights of one start-up: opening one parses every metadata field
-    (the tokenizer's 100k strings: seconds for the default model). `_gguf_weights` drops it once the
-    weights are read (it holds about 160 MB); the config stays cached on its own."""
-    import gguf
+def _reader(path: str, mtime_ns: int, size: int) -> GGUFIndex:
+    """The file's metadata and tensor directory (shared.model.gguf_index), shared by the config and the weights of
+    one start-up; `_gguf_weights` drops it once the weights are read (it maps the file)."""
+    from shared.model.gguf_index import GGUFIndex
 
-    return gguf.GGUFReader(path)
+    return GGUFIndex(path)
 
 
 _HF_FIELDS = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
@@ -179,7 +184,7 @@ def _parsed_config(path: str, mtime_ns: int, size: int) -> ModelConfig:
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=_GGUF_ARCH_AS.get(arch, arch),
-        vocab_size=_gguf_field(r, p + "vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=_gguf_field(r, p + "vocab_size") or len(r.fields["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
         intermediate_size=_gguf_field(r, p + "feed_forward_length"),
         num_layers=_gguf_field(r, p + "block_count"),
@@ -252,7 +257,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
+def _gguf_weights(path: str, cfg: ModelConfig, progress: bool, keep: Callable[[str], bool] | None = None) -> Weights:
     from gguf.quants import dequantize
 
     r = _reader(*file_version(path))
@@ -264,15 +269,21 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool) -> Weights:
             if parts[0] in ("rope_freqs", "rope_factors_long", "rope_factors_short"):   # read into the config's
                 continue                                                               # RoPE scaling
             if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
+                experts = [f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERTS[parts[2]]}.weight"
+                           for e in range(t.shape[-1])]
+                if keep is not None and not any(map(keep, experts)):
+                    continue
                 stacked = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)     # [E, out, in]
-                for e in range(stacked.shape[0]):
-                    yield (f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERTS[parts[2]]}.weight",
-                           torch.from_numpy(np.array(stacked[e], dtype=np.float32)))
+                for e, name in enumerate(experts):
+                    if keep is None or keep(name):
+                        yield name, torch.from_numpy(np.array(stacked[e], dtype=np.float32))
                 continue
             if parts[0] == "blk":
                 name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
             else:
                 name = f"{names[parts[0]]}.{parts[1]}"
+            if keep is not None and not keep(name):
+                continue
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if w.ndim == 1:
                 w = w.reshape(-1)

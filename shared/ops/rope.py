@@ -69,12 +69,15 @@ def long_rope_after(scaling: dict[str, Any] | None, max_pos: int) -> int | None:
 def rope_tables(head_dim: int, base: float, max_pos: int,
                 scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (cos, sin), each [max_pos, Dh], in float32 ([2 max_pos, Dh] for LongRoPE past its original window:
-    short-factor rows, then long-factor rows, see long_rope_after)."""
-    if long_rope_after(scaling, max_pos) is not None:
-        short = _tables(head_dim, base, max_pos, scaling, "short_factor")
-        long = _tables(head_dim, base, max_pos, scaling, "long_factor")
-        return torch.cat([short[0], long[0]]), torch.cat([short[1], long[1]])
-    return _tables(head_dim, base, max_pos, scaling, "short_factor")
+    short-factor rows, then long-factor rows, see long_rope_after). Always computed on the CPU: inside a model built
+    on the meta device they would be placeholders, and torch's meta arange loads torch._dynamo (a second of
+    start-up)."""
+    with torch.device("cpu"):
+        if long_rope_after(scaling, max_pos) is not None:
+            short = _tables(head_dim, base, max_pos, scaling, "short_factor")
+            long = _tables(head_dim, base, max_pos, scaling, "long_factor")
+            return torch.cat([short[0], long[0]]), torch.cat([short[1], long[1]])
+        return _tables(head_dim, base, max_pos, scaling, "short_factor")
 
 
 def _tables(head_dim: int, base: float, max_pos: int, scaling: dict[str, Any] | None,

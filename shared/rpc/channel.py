@@ -27,11 +27,12 @@ def message_options() -> list[tuple[str, int]]:
 
 
 def reconnect_options() -> list[tuple[str, int]]:
-    """Every channel retries a peer that is not up yet (still loading its model) or restarting every 0.2-2 s, not
+    """Every channel retries a peer that is not up yet (still loading its model) or restarting every 0.2-0.5 s, not
     with gRPC's default backoff (1 s growing 1.6x up to 120 s), which left a started stack unnoticed for up to
-    10 s more (the launcher's health check, the router waiting for its targets)."""
+    10 s more (the launcher's health check, the router waiting for its targets); with a 2 s ceiling a stack that
+    started in 4 s still waited 1.3 s more. A refused local connect costs next to nothing."""
     return [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000)]
+            ("grpc.max_reconnect_backoff_ms", 500)]
 
 
 def _channel_options(options: Options) -> list[tuple[str, int | str]]:

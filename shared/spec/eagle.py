@@ -191,7 +191,7 @@ def load_target_parts(path: str | None, dtype: torch.dtype, device: torch.device
     path = resolve_model_path(path)
     cfg = load_config(path)
     want = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    got = {name: w for name, w in iter_weights(path, cfg, progress=False) if name in want}
+    got = dict(iter_weights(path, cfg, progress=False, keep=want.__contains__))
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     norm.weight.data = got["model.norm.weight"].to(device=device, dtype=dtype)
     embed = got["model.embed_tokens.weight"].to(device=device, dtype=dtype)

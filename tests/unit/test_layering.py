@@ -1,6 +1,6 @@
 """The code's shape, checked: imports point one way through the layers (docs/architecture.md), no import cycles
-(function-level imports included), the router process loads no torch, tests and benchmarks do not import each
-other, and no line of code is over 120 characters."""
+(function-level imports included), the router process loads no torch and the launcher none before its services
+start, tests and benchmarks do not import each other, and no line of code is over 120 characters."""
 from __future__ import annotations
 
 import ast
@@ -155,6 +155,21 @@ def test_the_router_process_loads_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"the router imports {out.stdout.strip()}"
+
+
+def test_the_launcher_checks_its_flags_without_torch():
+    """`upesi serve` starts its services at once: torch (more than a second to import) is theirs to load."""
+    code = ("import sys\n"
+            "from services.cli import build_parser\n"
+            "from services.launcher import ServeConfig\n"
+            "from shared.config import config_from_args\n"
+            "args = build_parser(only='serve').parse_args(['serve', '--draft', 'eagle:models/eagle-smollm2-135m',\n"
+            "                                              '--draft-tree-nodes', '5', '--dtype', 'auto'])\n"
+            "config_from_args(ServeConfig, args)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"the launcher imports {out.stdout.strip()[:300]}"
 
 
 def test_tests_and_benchmarks_do_not_import_each_other():

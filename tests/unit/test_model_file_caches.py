@@ -1,5 +1,5 @@
 """Start-up caches of the model file: the GGUF's tokenizer kept as tokenizer.json, and one GGUF parse per process.
-Both must give exactly what the uncached paths give (transformers' own GGUF conversion; a fresh GGUFReader)."""
+Both must give exactly what the uncached paths give (transformers' own GGUF conversion; gguf's own GGUFReader)."""
 from __future__ import annotations
 
 import os
@@ -43,9 +43,11 @@ def test_gguf_is_parsed_once_per_start_up_and_the_parse_is_dropped_after_the_wei
                                                                                      monkeypatch):
     import gguf
 
+    from shared.model import gguf_index
+
     opened = []
-    real = gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda path: opened.append(path) or real(path))   # the real reader
+    real = gguf_index.GGUFIndex
+    monkeypatch.setattr(gguf_index, "GGUFIndex", lambda path: opened.append(path) or real(path))   # the real index
     loader._reader.cache_clear()
     loader._parsed_config.cache_clear()
     cfg = loader.load_config(model_path)
@@ -53,7 +55,7 @@ def test_gguf_is_parsed_once_per_start_up_and_the_parse_is_dropped_after_the_wei
     names = [name for name, _ in loader.iter_weights(model_path, cfg, progress=False)]
     assert len(opened) == 1                                             # config and weights share one parse
     assert loader._reader.cache_info().currsize == 0                    # dropped once the weights are read
-    fresh = real(model_path)                                            # independent: the file's own fields
+    fresh = gguf.GGUFReader(model_path)                                 # independent: the file's own fields
     assert cfg.hidden_size == fresh.fields["llama.embedding_length"].contents()
     assert cfg.num_layers == fresh.fields["llama.block_count"].contents()
     assert len(names) == len(fresh.tensors)
