@@ -220,7 +220,7 @@ class Relays:
         if ctx is not None:
             telemetry.attach(ctx)                      # this task's context: the engine's spans go under the span
         try:
-            async for d in self.engine.generate(relay.request_id, prompt, params):
+            async for d in self.engine.generate(relay.request_id, prompt, params, relayed=True):
                 relay.push(delta_to_pb(d, first))
                 first = False
             relay.push(None)                                   # the end of the request

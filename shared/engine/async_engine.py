@@ -7,7 +7,10 @@ Stream interval: a running request's new tokens reach its caller every `stream_i
 Delta per choice (its first tokens and its end at once). Each delivery costs the service's event loop, the
 router and the client a message per request, on the cores the step needs; under load that is a quarter of a
 step (docs/performance.md). 0 (auto) delivers every step while fewer than `AUTO_STREAMS` sequences run, then every
-running // AUTO_STREAMS steps (4 at 32 sequences). SGLang's --stream-interval is the same idea, fixed.
+running // AUTO_STREAMS steps (4 at 32 sequences). SGLang's --stream-interval is the same idea, fixed. A request
+a draft service relays (`relayed`) costs one more hop per message, in a third process; while the batch is too
+big to speculate (above `speculative_max_seqs`) it is delivered at least every RELAY_INTERVAL steps (its relay
+then carries nothing but output).
 
 Give it a factory rather than a built engine where the caller is a service: the engine is then built on the
 engine thread, so that one thread runs every torch operation of the process. libgomp (the OpenMP runtime of torch's
@@ -32,6 +35,7 @@ from shared.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 AUTO_STREAMS = 8            # auto stream interval: one more step between a request's messages per this many running
+RELAY_INTERVAL = 4          # the least interval of a relayed request that is not speculating (a batch above the limit)
 
 
 def auto_interval(running: int) -> int:
@@ -50,6 +54,7 @@ class AsyncEngine:
         self.stream_interval = stream_interval
         self._held: dict[str, tuple[int, dict[int, Delta]]] = {}   # request -> (steps held, choice -> Delta)
         self._delivered: set[str] = set()                           # requests whose first tokens went out
+        self._relayed: set[str] = set()                             # requests a draft service relays
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
@@ -63,14 +68,16 @@ class AsyncEngine:
         if failed:
             raise failed[0]
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
-        """Yields deltas until every choice of the request has finished. Cancelling the caller aborts it."""
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       relayed: bool = False) -> AsyncIterator[Delta]:
+        """Yields deltas until every choice of the request has finished. Cancelling the caller aborts it. relayed:
+        a draft service forwards the deltas (see the stream interval)."""
         if self.error is not None or self._stopped.is_set():
             raise EngineDead(f"the engine has stopped: {self.error}")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done = asyncio.get_running_loop().create_future()
-        self._inbox.put(("add", request_id, prompt, params, loop, out, done))
+        self._inbox.put(("add", request_id, prompt, params, loop, out, done, relayed))
         remaining = params.n
         try:
             try:
@@ -150,8 +157,11 @@ class AsyncEngine:
 
     def _coalesce(self, deltas: list[Delta]) -> list[Delta]:
         """A step's deltas -> those to deliver now; the rest are held and merged (see the stream interval)."""
-        k = self.stream_interval or auto_interval(len(self.engine.scheduler.running))
-        if k == 1 and not self._held:
+        running = len(self.engine.scheduler.running)
+        k = self.stream_interval or auto_interval(running)
+        limit = self.engine.cfg.speculative_max_seqs
+        slow_relay = RELAY_INTERVAL if self._relayed and 0 < limit < running else 1
+        if k == 1 and slow_relay == 1 and not self._held:
             return deltas
         by_rid: dict[str, list[Delta]] = {}
         for d in deltas:
@@ -162,7 +172,8 @@ class AsyncEngine:
             for d in ds:
                 prev = pending.get(d.index)
                 pending[d.index] = d if prev is None else replace(d, token_ids=prev.token_ids + d.token_ids)
-            if steps + 1 >= k or rid not in self._delivered or any(d.finish_reason for d in pending.values()):
+            every = max(k, slow_relay) if rid in self._relayed else k
+            if steps + 1 >= every or rid not in self._delivered or any(d.finish_reason for d in pending.values()):
                 out.extend(pending.values())
             else:
                 self._held[rid] = (steps + 1, pending)
@@ -171,6 +182,7 @@ class AsyncEngine:
     def _fail_all(self, err: Exception) -> None:
         self._held.clear()
         self._delivered.clear()
+        self._relayed.clear()
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
         for loop, q in list(self._streams.values()):
@@ -179,7 +191,7 @@ class AsyncEngine:
 
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "add":
-            _, rid, prompt, params, loop, out, done = msg
+            _, rid, prompt, params, loop, out, done, relayed = msg
             try:
                 waiting = len(self.engine.scheduler.waiting)
                 if waiting >= self.engine.cfg.max_waiting_seqs:      # backpressure: the caller retries elsewhere
@@ -190,8 +202,11 @@ class AsyncEngine:
                 _post(loop, _settle, done, e)
                 return
             self._streams[rid] = (loop, out)
+            if relayed:
+                self._relayed.add(rid)
             if not _post(loop, _settle, done, None):          # the caller's event loop is gone: nobody reads it
                 self._streams.pop(rid, None)
+                self._relayed.discard(rid)
                 self.engine.abort(rid)
         elif msg[0] == "abort":
             self._deliver(self._coalesce(self.engine.abort(msg[1], msg[2])))
@@ -221,6 +236,7 @@ class AsyncEngine:
             if rid not in self.engine.requests:
                 self._streams.pop(rid, None)
                 self._delivered.discard(rid)
+                self._relayed.discard(rid)
                 self._held.pop(rid, None)
 
 

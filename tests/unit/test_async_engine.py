@@ -108,3 +108,42 @@ def test_stream_interval_merges_a_requests_tokens_and_keeps_them(tiny_llama_dir)
     assert [auto_interval(n) for n in (1, 7, 8, 15, 16, 32, 64)] == [1, 1, 1, 1, 2, 4, 8]
     with pytest.raises(ValueError, match="stream_interval"):
         AsyncEngine(lambda: None, stream_interval=-1)
+
+
+def test_a_relayed_request_in_a_batch_too_big_to_speculate_is_delivered_every_few_steps(tiny_llama_dir):
+    """A request a draft service relays, joining others above speculative_max_seqs: its first token at once, then a
+    message per RELAY_INTERVAL steps, the same tokens; the other requests and a relayed request alone every step."""
+    from shared.engine.async_engine import RELAY_INTERVAL
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)      # outlive the relayed request
+
+    def lengths(others: int) -> tuple[list[int], list[int], list[list[int]]]:
+        eng = AsyncEngine(lambda: LLMEngine(EngineConfig(model=tiny_llama_dir, progress=False, kv_cache_gb=0.01,
+                                                         max_model_len=256, speculative_max_seqs=1)))
+
+        async def run() -> list:
+            started = [asyncio.Event() for _ in range(others)]
+
+            async def other(i: int) -> list[int]:
+                out = []
+                async for d in eng.generate(f"o{i}", [1, 2, 3], long):
+                    out.append(len(d.token_ids))
+                    started[i].set()
+                return out
+
+            async def relayed() -> list[list[int]]:
+                for e in started:                                # the others are running first
+                    await e.wait()
+                return [d.token_ids async for d in eng.generate("relayed", [1, 2, 3], params, relayed=True)]
+            return await asyncio.gather(relayed(), *(other(i) for i in range(others)))
+        try:
+            got, *rest = asyncio.run(run())
+        finally:
+            eng.stop()
+        return [len(t) for t in got], sum(got, []), rest
+    alone, alone_tokens, _ = lengths(0)
+    busy, busy_tokens, rest = lengths(3)
+    assert alone == [1] * 9
+    assert RELAY_INTERVAL == 4 and busy == [1, 4, 4]
+    assert busy_tokens == alone_tokens                           # the same tokens, merged
+    assert rest == [[1] * 200] * 3
