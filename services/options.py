@@ -36,9 +36,10 @@ def adaptive_speculation() -> Any:
 
 
 def speculative_max_seqs(default: int) -> Any:
-    return option(default, "the targets speculate only while at most this many sequences are running; with more, "
-                           "every sequence decodes plainly until the batch shrinks (on CPUs a verification's extra "
-                           "rows cost more than they save once a batch fills the matmuls; 0 = always)")
+    return option(default, "the targets speculate only while at most this many sequences are running or waiting to "
+                           "be admitted; with more, every sequence decodes plainly until the batch shrinks (on CPUs "
+                           "a verification's extra rows cost more than they save once a batch fills the matmuls; "
+                           "0 = always)")
 
 
 def stream_interval() -> Any:

@@ -388,8 +388,10 @@ class LLMEngine:
 
     def _propose(self) -> None:
         limit = self.cfg.speculative_max_seqs
-        if limit and len(self.scheduler.running) > limit:
-            return                            # a big batch: verifying drafts costs more than it saves (plain steps)
+        if limit and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
+            # a big batch: verifying drafts costs more than it saves (plain steps); sequences waiting join the next
+            # step, which would be plain, and a proposal now would keep them waiting for it (a burst's first one)
+            return
         seqs, ks = [], []
         for seq in self.scheduler.running:
             if seq.num_uncomputed == 1 and not seq.spec_tokens and seq.num_output_tokens > 0:

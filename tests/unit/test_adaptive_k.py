@@ -88,3 +88,32 @@ def test_no_drafts_while_more_sequences_run_than_speculative_max_seqs(tmp_path):
     for cls in (EngineConfig, TargetConfig, ServeConfig):
         with pytest.raises(ValueError, match="speculative_max_seqs"):
             cls(speculative_max_seqs=-1)
+
+
+def test_no_drafts_while_sequences_wait_to_join_a_batch_that_would_pass_the_limit(tmp_path):
+    """speculative_max_seqs = 1: a sequence running alone is not drafted for while another waits to be admitted (the
+    next step runs both, plainly); once it runs alone it is."""
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
+                                 num_speculative_tokens=K, speculative_max_seqs=1))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = eng.generate([PROMPT], params)[0][0]
+    asked: list[tuple[int, int]] = []
+
+    class Counting(Scripted):
+        def propose(self, seqs, ks):
+            asked.append((len(eng.scheduler.running), len(eng.scheduler.waiting)))
+            return super().propose(seqs, ks)
+
+    eng.proposer = Counting(plain, eng.model_cfg.vocab_size)
+    eng.add_request("first", PROMPT, params)
+    eng.step()                                            # its prefill: running alone now
+    eng.add_request("second", [4, 6, 8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    eng.step()                                            # "second" was waiting: no proposal
+    assert asked == []
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    assert asked and all(r == 1 and w == 0 for r, w in asked)   # drafted for again once alone
+    assert eng.block_manager.num_used_blocks == 0
