@@ -5,7 +5,8 @@ The stack is `upesi serve` with the Makefile's SERVE_ARGS (the default deploymen
 prompts, greedy, `--tokens` new tokens with EOS ignored (every side does the same work), both sides warm:
   single   each prompt alone; tokens/s averaged over prompts, TTFT the median
   c4, c32  4 and 32 requests at once (the prompts repeated); tokens/s of the whole batch
-for Upesi's requests with `num_speculative_tokens: 0` (plain) and with the deployment's default (speculative).
+for Upesi's requests with `num_speculative_tokens: 0` (plain) and with the deployment's default (speculative),
+the two alternating request by request (single) or batch by batch in one stack.
 Beside tokens/s: time to first token, and CPU seconds per generated token (every process of the stack, or of
 the peer, divided by the tokens). The physical bound of single-stream plain decoding, (memory read bandwidth) /
 (weight bytes read per step), is measured on this machine and each single-stream figure given as a fraction of it.
@@ -150,18 +151,34 @@ class ServeStack:
             self.proc.wait()
 
 
-def measure_stack(stack: ServeStack, loads: list[int], tokens: int, reps: int, k: int | None) -> dict:
-    stack.run(PROMPTS[:1], tokens, k)                                    # warm-up, full length
-    out: dict[str, dict[str, float]] = {}
+def measure_stack(stack: ServeStack, loads: list[int], tokens: int, reps: int, ks: dict[str, int | None]
+                  ) -> dict[str, dict]:
+    """Each side (name -> the requests' num_speculative_tokens: 0 plain, None the deployment's default) at each
+    load, the sides alternating request by request (single) or batch by batch, so that the machine's drift
+    between minutes falls on both alike."""
+    for k in ks.values():
+        stack.run(PROMPTS[:1], tokens, k)                                # warm-up, full length
+    out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in ks}
     for load in loads:
         if load == 1:
-            runs = [stack.run([p], tokens, k) for p in PROMPTS for _ in range(reps)]
-            out["single"] = {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
-            out["single"]["ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in ks}
+            for p in PROMPTS:
+                for _ in range(reps):
+                    for name, k in ks.items():
+                        runs[name].append(stack.run([p], tokens, k))
+            for name, r in runs.items():
+                out[name]["single"] = {key: statistics.mean(x[key] for x in r) for key in r[0]}
+                out[name]["single"]["ttft_s"] = statistics.median(x["ttft_s"] for x in r)
             continue
         prompts = (PROMPTS * load)[:load]
-        stack.run(prompts, 8, k)
-        out[f"c{load}"] = max((stack.run(prompts, tokens, k) for _ in range(reps)), key=lambda r: r["tok_s"])
+        best: dict[str, list[dict[str, float]]] = {name: [] for name in ks}
+        for k in ks.values():
+            stack.run(prompts, 8, k)
+        for _ in range(reps):
+            for name, k in ks.items():
+                best[name].append(stack.run(prompts, tokens, k))
+        for name, r in best.items():
+            out[name][f"c{load}"] = max(r, key=lambda x: x["tok_s"])
     return out
 
 
@@ -267,9 +284,8 @@ def main() -> None:
     results: dict[str, dict] = {}
     stack = ServeStack([*serve, "--dtype", a.dtype])
     try:
-        results["upesi plain"] = measure_stack(stack, a.loads, a.tokens, a.reps, 0)
-        if not a.skip_spec:
-            results["upesi default"] = measure_stack(stack, a.loads, a.tokens, a.reps, None)
+        ks = {"upesi plain": 0} if a.skip_spec else {"upesi plain": 0, "upesi default": None}
+        results.update(measure_stack(stack, a.loads, a.tokens, a.reps, ks))
     finally:
         stack.close()
     if a.vllm_python:
