@@ -80,12 +80,13 @@ def test_bad_files_raise_value_errors(model_path, tmp_path):
     text.write_text("definitely not a model file")
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFIndex(str(text))
-    cut = tmp_path / "cut.gguf"
     with open(model_path, "rb") as f:
-        cut.write_bytes(f.read(5_000_000))                 # metadata whole, tensors cut off
+        head = f.read(5_000_000)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(head)                                  # metadata whole, tensors cut off
     with pytest.raises(ValueError, match="past the end"):
         GGUFIndex(str(cut))
-    cut.write_bytes(open(model_path, "rb").read(100_000))     # inside the tokenizer's strings
+    cut.write_bytes(head[:100_000])                        # inside the tokenizer's strings
     with pytest.raises(ValueError, match="truncated or corrupt"):
         GGUFIndex(str(cut))
 
