@@ -57,11 +57,11 @@ class TracedAsyncEngine(AsyncEngine):
     """Hands each request's trace context (the gRPC handler's) to the engine thread, which keeps it on the request's
     sequences for the spans it records (prefill, verify, propose, expert dispatch). Only used when tracing is on."""
 
-    def generate(self, request_id: str, prompt: list[int], params):
+    def generate(self, request_id: str, prompt: list[int], params, relayed: bool = False):
         ctx = telemetry.current_context()
         if ctx is not None:
             self.engine.trace_parents[request_id] = ctx
-        return super().generate(request_id, prompt, params)
+        return super().generate(request_id, prompt, params, relayed=relayed)
 
 
 def _publisher(cfg: TargetConfig):

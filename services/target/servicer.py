@@ -10,7 +10,7 @@ from services.target.block_transfer import BlockSender, decode_blocks
 from services.target.verify import Relays, StreamProposer, delta_to_pb
 from shared.engine.async_engine import AsyncEngine
 from shared.errors import InvalidRequest, NotConfigured, NotRunning
-from shared.rpc.errors import map_errors, status_for
+from shared.rpc.errors import log_error, map_errors, status_for
 from shared.sampling_params import SamplingParams
 from shared.spec.proposer_mux import ProposerMux
 from upesi.v1 import target_pb2, target_pb2_grpc
@@ -128,6 +128,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                     mine.pop(rid, None)
                 elif isinstance(msg, BaseException):
                     mine.pop(rid, None)
+                    log_error(msg, f"a request on the Verify stream ({rid})")
                     code, text = status_for(msg)
                     yield target_pb2.VerifyDown(request_id=rid, error=text, error_code=code.value[0])
                 else:

@@ -62,7 +62,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal error; the server log has the details"
 
 
-def _log(exc: BaseException, name: str) -> None:
+def log_error(exc: BaseException, name: str) -> None:
+    """Logs an error on its way to a caller: with its traceback where the caller is told only "internal error"."""
     code, _ = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("unhandled error in %s", name, exc_info=exc)
@@ -82,7 +83,7 @@ def map_errors(fn: Callable) -> Callable:
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as e:
-                _log(e, name)
+                log_error(e, name)
                 await context.abort(*status_for(e))
         return stream
 
@@ -93,6 +94,6 @@ def map_errors(fn: Callable) -> Callable:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            _log(e, name)
+            log_error(e, name)
             await context.abort(*status_for(e))
     return unary
