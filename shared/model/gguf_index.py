@@ -18,15 +18,11 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
-# value type -> (struct format, size) of the scalar types
-_SCALARS = {GGUFValueType.UINT8: ("<B", 1), GGUFValueType.INT8: ("<b", 1), GGUFValueType.UINT16: ("<H", 2),
-            GGUFValueType.INT16: ("<h", 2), GGUFValueType.UINT32: ("<I", 4), GGUFValueType.INT32: ("<i", 4),
-            GGUFValueType.FLOAT32: ("<f", 4), GGUFValueType.BOOL: ("<?", 1), GGUFValueType.UINT64: ("<Q", 8),
-            GGUFValueType.INT64: ("<q", 8), GGUFValueType.FLOAT64: ("<d", 8)}
-_NUMPY = {GGUFValueType.UINT8: np.uint8, GGUFValueType.INT8: np.int8, GGUFValueType.UINT16: np.uint16,
-          GGUFValueType.INT16: np.int16, GGUFValueType.UINT32: np.uint32, GGUFValueType.INT32: np.int32,
-          GGUFValueType.FLOAT32: np.float32, GGUFValueType.BOOL: np.bool_, GGUFValueType.UINT64: np.uint64,
-          GGUFValueType.INT64: np.int64, GGUFValueType.FLOAT64: np.float64}
+# value type -> the struct format of the scalar types (numpy reads the same codes for arrays of them)
+_SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+            GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+            GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+            GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
 # tensor types stored as plain arrays (the others: uint8 bytes of quantised blocks)
 _PLAIN = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
           GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -143,8 +139,8 @@ class GGUFIndex:
         if kind == GGUFValueType.STRING:
             return self._string(buf, offset)
         if kind in _SCALARS:
-            fmt, size = _SCALARS[kind]
-            return struct.unpack_from(fmt, buf, offset)[0], offset + size
+            fmt = _SCALARS[kind]
+            return struct.unpack_from(fmt, buf, offset)[0], offset + struct.calcsize(fmt)
         if kind != GGUFValueType.ARRAY:
             raise ValueError(f"{self.path}: unknown metadata value type {kind}")
         item, count = struct.unpack_from("<IQ", buf, offset)
@@ -153,10 +149,9 @@ class GGUFIndex:
         if item == GGUFValueType.STRING:
             _, end = _walk_strings(buf, offset, count)
             return StringArray(buf, offset, count), end
-        if item in _NUMPY:
-            size = _SCALARS[item][1]
-            values = np.frombuffer(buf, _NUMPY[item], count, offset).tolist()
-            return values, offset + size * count
+        if item in _SCALARS:
+            dtype = np.dtype(_SCALARS[item])
+            return np.frombuffer(buf, dtype, count, offset).tolist(), offset + dtype.itemsize * count
         values = []                                        # arrays of arrays: rare, small
         for _ in range(count):
             v, offset = self._value(buf, offset, item)
