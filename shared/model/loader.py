@@ -64,11 +64,12 @@ def load_config(path: str, overrides: dict[str, Any] | None = None) -> ModelConf
 
 
 def iter_weights(path: str, cfg: ModelConfig, progress: bool = True,
-                 keep: Callable[[str], bool] | None = None) -> Weights:
+                 keep: Callable[[str], bool] | None = None, raw: Callable[[str], bool] | None = None) -> Weights:
     """The checkpoint's tensors by their Hugging Face names; with `keep`, only those it accepts, and the others are
-    neither read nor dequantised (a draft service wants 3 tensors, an expert shard the FFNs)."""
+    neither read nor dequantised (a draft service wants 3 tensors, an expert shard the FFNs). A GGUF file's
+    quantised tensors whose names `raw` accepts come as they are stored (shared.quant.gguf_blocks.GGUFRaw)."""
     if is_gguf(path):
-        return _gguf_weights(path, cfg, progress, keep)
+        return _gguf_weights(path, cfg, progress, keep, raw)
     if cfg.extra.get("text_tower_of"):
         return (nw for nw in _text_tower(_safetensors_weights(path, progress)) if keep is None or keep(nw[0]))
     return _safetensors_weights(path, progress, keep)
@@ -257,8 +258,30 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_weights(path: str, cfg: ModelConfig, progress: bool, keep: Callable[[str], bool] | None = None) -> Weights:
+def _hf_name(parts: list[str], names: dict[str, str]) -> str:
+    """A GGUF tensor's name, split at dots -> its Hugging Face name."""
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    return f"{names[parts[0]]}.{parts[1]}"
+
+
+def gguf_quant_types(path: str, cfg: ModelConfig) -> dict[str, Any]:
+    """A GGUF file's 2-D weights by Hugging Face name -> their GGML type (the file's directory only)."""
+    r = _reader(*file_version(path))
+    names = _GGUF_NAMES | _GGUF_ARCH_NAMES.get(cfg.architecture, {})
+    out = {}
+    for t in r.tensors:
+        parts = t.name.split(".")
+        if len(t.shape) == 2 and (parts[0] in names or (parts[0] == "blk" and parts[2] in names)):
+            out[_hf_name(parts, names)] = t.tensor_type
+    return out
+
+
+def _gguf_weights(path: str, cfg: ModelConfig, progress: bool, keep: Callable[[str], bool] | None = None,
+                  raw: Callable[[str], bool] | None = None) -> Weights:
     from gguf.quants import dequantize
+
+    from shared.quant.gguf_blocks import PACKED_TYPES, GGUFRaw
 
     r = _reader(*file_version(path))
     permuted = _GGUF_ARCHS.get(cfg.architecture, False)
@@ -278,11 +301,14 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool, keep: Callable[[s
                     if keep is None or keep(name):
                         yield name, torch.from_numpy(np.array(stacked[e], dtype=np.float32))
                 continue
-            if parts[0] == "blk":
-                name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
-            else:
-                name = f"{names[parts[0]]}.{parts[1]}"
+            name = _hf_name(parts, names)
             if keep is not None and not keep(name):
+                continue
+            if raw is not None and t.tensor_type in PACKED_TYPES and len(t.shape) == 2 and raw(name):
+                rows = t.data
+                if permuted and parts[-2] in ("attn_q", "attn_k"):     # whole rows of blocks move
+                    rows = _unpermute(rows, cfg.num_heads if parts[-2] == "attn_q" else cfg.num_kv_heads)
+                yield name, GGUFRaw(rows, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
                 continue
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if w.ndim == 1:

@@ -10,7 +10,7 @@ from shared.model.config import ModelConfig
 from shared.model.deepseek_v3 import DeepseekV3ForCausalLM
 from shared.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from shared.model.llama import LlamaForCausalLM, MistralForCausalLM
-from shared.model.loader import iter_weights, load_config, read_hf_config
+from shared.model.loader import gguf_quant_types, iter_weights, load_config, read_hf_config
 from shared.model.mixtral import MixtralForCausalLM
 from shared.model.olmoe import OlmoeForCausalLM
 from shared.model.phi3 import Phi3ForCausalLM
@@ -19,6 +19,7 @@ from shared.model.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from shared.model_files import is_gguf
 from shared.ops.packed_linear import pack_linears
 from shared.ops.rope import rope_tables
+from shared.quant.gguf_packing import pack_gguf_linears
 from shared.quant.model_quant import apply_quantization
 
 ARCHITECTURES: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
@@ -51,20 +52,24 @@ def check_architecture(path: str) -> None:
 
 
 def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                progress: bool = True, overrides: dict[str, Any] | None = None) -> tuple[nn.Module, ModelConfig]:
+                progress: bool = True, overrides: dict[str, Any] | None = None,
+                packed: bool = True) -> tuple[nn.Module, ModelConfig]:
     """Builds the registered architecture for the checkpoint at `path` (its config with `overrides`,
-    shared.model.loader.load_config) and loads its weights."""
+    shared.model.loader.load_config) and loads its weights. packed=False dequantises a GGUF file's quantised
+    layers to `dtype` instead of keeping them packed (shared.quant.gguf_packing)."""
     check_architecture(path)
     cfg = load_config(path, overrides)
     factory = ARCHITECTURES[cfg.architecture]
     with torch.device("meta"):
         model = factory(cfg, max_len)
     consume = apply_quantization(model, cfg.extra, path)   # quantised checkpoints: swap layers, take their tensors
+    if is_gguf(path) and packed and torch.device(device).type == "cpu":   # GGUF quant types stay packed (CPU)
+        consume = pack_gguf_linears(model, gguf_quant_types(path, cfg))
     model = model.to_empty(device="cpu")          # no random init: every weight comes from the checkpoint
     model.rope_cos, model.rope_sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(consume(iter_weights(path, cfg, progress)))
+    model.load_weights(consume(iter_weights(path, cfg, progress, raw=getattr(consume, "raw", None))))
     model = model.to(device=device, dtype=dtype).eval()
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()   # tables stay fp32
     # bf16 on CPU: weights prepacked for oneDNN (bit-identical, about 2x faster at decode's few rows); the LM head

@@ -79,19 +79,20 @@ static void add_rows(uint16_t *x, const uint16_t *a, int64_t n, int threads) {
     }
 }
 
-enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, WINDOW, PER_LAYER };
-enum { F_GEMM, F_NORM, F_ROPE, F_ATTN };
+// Per layer: the four linears' weights (bf16 panels, or a quantised weight's descriptor) each with its GEMM.
+enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, WINDOW, G_QKV, G_O,
+       G_GU, G_DOWN, PER_LAYER };
+enum { F_NORM, F_ROPE, F_ATTN };
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS, D_ROTARY };
 
 // x [T, D] bf16, in place: the residual stream after every layer (before the final norm).
-// fns [4]: the kernels; dims [9]; layers [L, PER_LAYER] pointers (biases may be 0) and the layer's sliding window
-// (0: none); cos, sin [T, R] bf16 (R = dims[D_ROTARY], the rotated dims of a head: Dh, or fewer);
+// fns [3]: the kernels; dims [9]; layers [L, PER_LAYER] pointers (biases may be 0), the layer's sliding window
+// (0: none) and its GEMMs; cos, sin [T, R] bf16 (R = dims[D_ROTARY], the rotated dims of a head: Dh, or fewer);
 // slots [T]; block_tables [B, MB]; rows [R, 5] and blocks [NB, 2]: shared.ops.cpu_attention's descriptors.
 void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *layers, float eps, float scale,
                         uint16_t *x, int64_t t, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
                         const int64_t *block_tables, int64_t mb, const int64_t *rows, const int64_t *blocks,
                         int64_t nblocks, int64_t max_len, int64_t max_rows) {
-    gemm_fn gemm = (gemm_fn)fns[F_GEMM];
     norm_fn norm = (norm_fn)fns[F_NORM];
     rope_fn rope = (rope_fn)fns[F_ROPE];
     attn_fn attn = (attn_fn)fns[F_ATTN];
@@ -108,16 +109,17 @@ void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *
     for (int64_t l = 0; l < dims[D_LAYERS]; l++) {
         const int64_t *w = layers + l * PER_LAYER;
         norm(x, t, d, d, (const void *)w[W_NORM1], eps, nx, 1);
-        gemm(nx, t, d, d, (const uint16_t *)w[W_QKV], (const uint16_t *)w[B_QKV], nqkv, qkv, nqkv, threads);
+        gemm_fn g_qkv = (gemm_fn)w[G_QKV], g_o = (gemm_fn)w[G_O], g_gu = (gemm_fn)w[G_GU], g_down = (gemm_fn)w[G_DOWN];
+        g_qkv(nx, t, d, d, (const uint16_t *)w[W_QKV], (const uint16_t *)w[B_QKV], nqkv, qkv, nqkv, threads);
         rope(qkv, t, nqkv, h, kvh, dh, rot, cos, sin, (void *)w[K_CACHE], (void *)w[V_CACHE], slots, 1);
         attn(qkv, nqkv, o, nq, (const void *)w[K_CACHE], (const void *)w[V_CACHE], block_tables, mb, bs, rows,
              blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows, w[WINDOW], 0.f);
-        gemm(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);
+        g_o(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);
         add_rows(x, a, t * d, threads);
         norm(x, t, d, d, (const void *)w[W_NORM2], eps, nx, 1);
-        gemm(nx, t, d, d, (const uint16_t *)w[W_GU], (const uint16_t *)w[B_GU], 2 * inter, gu, 2 * inter, threads);
+        g_gu(nx, t, d, d, (const uint16_t *)w[W_GU], (const uint16_t *)w[B_GU], 2 * inter, gu, 2 * inter, threads);
         upesi_silu_mul_bf16(gu, t, 2 * inter, inter, act, threads);
-        gemm(act, t, inter, inter, (const uint16_t *)w[W_DOWN], (const uint16_t *)w[B_DOWN], d, a, d, threads);
+        g_down(act, t, inter, inter, (const uint16_t *)w[W_DOWN], (const uint16_t *)w[B_DOWN], d, a, d, threads);
         add_rows(x, a, t * d, threads);
     }
     free(nx); free(qkv); free(o); free(a); free(gu); free(act);

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.ops import c_build, cpu_attention, rms_norm, rows_gemm_bf16
+from shared.ops import c_build, cpu_attention, qgemm, rms_norm, rows_gemm_bf16
 from shared.ops.cpu_features import cpu_flags
 from shared.ops.paged_attention import AttentionMetadata
+from shared.ops.qgemm import QWeight
 from shared.ops.rows_gemm_bf16 import RowsWeightBF16
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -87,20 +88,30 @@ def _fn(lib: ctypes.CDLL, name: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """One decoder layer as the C stack reads it: norms [D], packed linears (+ biases), the layer's KV cache."""
+    """One decoder layer as the C stack reads it: norms [D], packed linears (+ biases), the layer's KV cache. A
+    linear is bf16 panels (rows_gemm_bf16) or block-quantised (qgemm), each layer's own choice."""
     norm1: torch.Tensor
-    qkv: RowsWeightBF16
+    qkv: RowsWeightBF16 | QWeight
     qkv_bias: torch.Tensor | None
-    o: RowsWeightBF16
+    o: RowsWeightBF16 | QWeight
     o_bias: torch.Tensor | None
     norm2: torch.Tensor
-    gate_up: RowsWeightBF16
+    gate_up: RowsWeightBF16 | QWeight
     gate_up_bias: torch.Tensor | None
-    down: RowsWeightBF16
+    down: RowsWeightBF16 | QWeight
     down_bias: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     window: int | None = None              # sliding window of the layer's attention
+
+
+def _weight(w: RowsWeightBF16 | QWeight) -> torch.Tensor:
+    """What the GEMM of `w` takes as its weight: bf16 panels, or a quantised weight's descriptor."""
+    return w.desc if isinstance(w, QWeight) else w.panels
+
+
+def _gemm(w: RowsWeightBF16 | QWeight) -> int:
+    return qgemm.kernel_address() if isinstance(w, QWeight) else rows_gemm_bf16.kernel_address()
 
 
 class DecoderStack:
@@ -118,14 +129,15 @@ class DecoderStack:
                       for lw_ in layers]
         ptrs = []
         for lw_, (n1, bq, bo, n2, bg, bd) in zip(layers, self._keep):
-            p = [n1, lw_.qkv.panels, bq, lw_.o.panels, bo, n2, lw_.gate_up.panels, bg, lw_.down.panels, bd,
+            linears = (lw_.qkv, lw_.o, lw_.gate_up, lw_.down)
+            p = [n1, _weight(lw_.qkv), bq, _weight(lw_.o), bo, n2, _weight(lw_.gate_up), bg, _weight(lw_.down), bd,
                  lw_.k_cache, lw_.v_cache]
-            ptrs.append([0 if t is None else t.data_ptr() for t in p] + [lw_.window or 0])
+            ptrs.append([0 if t is None else t.data_ptr() for t in p] + [lw_.window or 0]
+                        + [_gemm(w) for w in linears])
         self._layers = layers
-        self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 13]
+        self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 17]
         lib = _lib()
-        self._fns = torch.tensor([rows_gemm_bf16.kernel_address(),
-                                  _fn(rms_norm._lib(), "upesi_rms_norm"),
+        self._fns = torch.tensor([_fn(rms_norm._lib(), "upesi_rms_norm"),
                                   _fn(cpu_attention._lib(), "upesi_rope_store"),
                                   _fn(cpu_attention._lib(), "upesi_paged_attention")], dtype=torch.int64)
         self._lib = lib

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.ops import qgemm
+from shared.ops.qgemm import BlockQuant, QWeight
 from shared.quant.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, NVFP4ShapeError, NVFP4Weight, e2m1_decode, fake_quantise
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -48,6 +50,8 @@ class _PackedLinear(nn.Module):
             if new is not None and new.dtype != b.dtype:   # a dtype cast: keep the format, follow the device only
                 self._buffers[name] = b.to(new.device)
         self._cache, self._shared_input_scale = None, None
+        if hasattr(self, "_packed"):
+            self._packed = None
         return self
 
     def rows(self, index: int) -> slice:
@@ -73,9 +77,11 @@ class NVFP4Linear(_PackedLinear):
         weight_global_scale [S]      float32, one per segment
         input_global_scale  [S]      float32, one per segment (W4A4 checkpoints only, else None)
     With act_quant and no input_global_scale the activations' global scale is computed per call (dynamic).
-    On CUDA, W4A16 runs the Triton kernel (shared.quant.nvfp4_triton), one launch per segment; elsewhere, and for
-    W4A4, the arithmetic of the torch reference shared.quant.nvfp4_linear on the whole fused weight, dequantised
-    per call (tests check both against the reference). Nothing dense is kept between calls.
+    On CUDA, W4A16 runs the Triton kernel (shared.quant.nvfp4_triton), one launch per segment; on CPUs where
+    shared.ops.qgemm runs, its C kernel on the codes (`packed`: the same codes and scales laid out once for it, so
+    the decoder stack takes the layer too); elsewhere, and for W4A4, the arithmetic of the torch reference
+    shared.quant.nvfp4_linear on the whole fused weight, dequantised per call (tests check each against the
+    reference). Nothing dense is kept between calls.
     """
 
     def __init__(self, in_features: int, segments: Sequence[int], bias: bool = False, act_quant: bool = False,
@@ -93,6 +99,27 @@ class NVFP4Linear(_PackedLinear):
                              torch.ones(s, dtype=torch.float32, device=device) if input_scales else None)
         self._cache: list[NVFP4Weight] | None = None
         self._shared_input_scale: bool | None = None
+        self._packed: QWeight | None = None
+
+    @property
+    def packed(self) -> QWeight | None:
+        """The codes laid out for shared.ops.qgemm (built at first use), or None where that kernel does not serve
+        this layer (W4A4, another device, no kernel on this CPU)."""
+        if self.act_quant or self.weight_packed.device.type != "cpu" or not qgemm.available():
+            return None
+        if self._packed is None:
+            self._packed = QWeight(self.block_quant())
+        return self._packed
+
+    def block_quant(self) -> BlockQuant:
+        """The weight as codes and per-block steps: value(code) * (scale / global_scale), the reference's
+        arithmetic (nvfp4.dequantise), so the kernel multiplies by exactly the dequantised weight."""
+        n, k = self.out_features, self.in_features
+        codes = torch.stack((self.weight_packed & 0xF, self.weight_packed >> 4), dim=-1).view(n, k)
+        gs = torch.cat([self.weight_global_scale[i].expand(r) for i, r in enumerate(self.segments)])     # [N]
+        step = self.weight_scale.float() / gs[:, None]                                                     # [N, B]
+        lut = e2m1_decode(torch.arange(16, dtype=torch.uint8))
+        return BlockQuant(codes.contiguous(), step, None, BLOCK_SIZE, 4, lut)
 
     @torch.no_grad()
     def load_segment(self, index: int, w: NVFP4Weight, name: str = "") -> None:
@@ -107,7 +134,7 @@ class NVFP4Linear(_PackedLinear):
         self.weight_global_scale[index].copy_(w.global_scale[0])
         if w.input_global_scale is not None:
             self.input_global_scale[index].copy_(w.input_global_scale[0])
-        self._cache, self._shared_input_scale = None, None
+        self._cache, self._shared_input_scale, self._packed = None, None, None
 
     def segment(self, index: int) -> NVFP4Weight:
         """The NVFP4Weight of one segment: views of the packed rows, so nothing is copied."""
@@ -135,6 +162,9 @@ class NVFP4Linear(_PackedLinear):
         """x [..., K] -> [..., N] in x's dtype; the arithmetic of shared.quant.nvfp4_linear (fp32 accumulation)."""
         if x.is_cuda and not self.act_quant:
             return self.forward_triton(x)
+        packed = self.packed if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
+        if packed is not None and not (torch.is_grad_enabled() and x.requires_grad):
+            return qgemm.linear(x, packed, self.bias)
         xf = x.float()                                                      # [..., K]
         w = self.dequantise(torch.float32)                                  # [N, K]
         igs = self.input_global_scale

@@ -10,7 +10,9 @@ Weights are fp32; there is no tokenizer.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +26,10 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
-               extra_tensors: dict[str, np.ndarray] | None = None) -> None:
+               extra_tensors: dict[str, np.ndarray] | None = None,
+               quant: Callable[[str], Any] | None = None) -> None:
+    """Writes `model` as a GGUF file; `quant` maps a 2-D weight's Hugging Face module name (model.layers.0.mlp.
+    up_proj) to the GGML type it is stored in (quantised with gguf's own Q4_0 / Q4_1 / Q8_0), or None for fp32."""
     import gguf
     c = model.config
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.num_hidden_layers)
@@ -73,6 +78,10 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             heads = c.num_attention_heads if base.endswith("q_proj") else c.num_key_value_heads
             t = _permute(t, heads)
+        qt = quant(base) if quant is not None and t.ndim == 2 and kind == "weight" else None
+        if qt is not None:
+            w.add_tensor(f"{names.get_name(base)}.{kind}", gguf.quants.quantize(t.float().numpy(), qt), raw_dtype=qt)
+            continue
         w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
     if arch == "llama" and rope.get("rope_type") == "llama3":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -92,6 +92,37 @@ def test_stack_equals_modules_bit_for_bit(bias, window, rotary, lens, qlens, tre
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("kind", ["u4", "i8"])
+def test_stack_with_quantised_layers_equals_modules_bit_for_bit(kind):
+    """Linears kept block-quantised (shared.ops.qgemm) beside bf16 ones: each layer's GEMM is its own."""
+    from shared.ops import qgemm
+    from shared.quant.quant_linear import QuantLinear
+    if not qgemm.available():
+        pytest.skip("needs the quantised kernel")
+    model = tiny_model(attention_bias=True)
+    g = torch.Generator().manual_seed(4)
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj")):          # down_proj (K = 200) stays bf16
+            old = getattr(parent, name)
+            q = QuantLinear(old.in_features, [old.out_features], bias=old.bias is not None)
+            q.load_segment(0, qgemm.example(kind, old.out_features, old.in_features, 32, g))
+            q.bias = old.bias
+            setattr(parent, name, q)
+    kv_stack, kv_mod = caches(model, 1), caches(model, 1)
+    pos, meta = step([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]})
+    ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = model(ids, pos, meta, kv_stack)
+        assert model._stack[1] is not None
+        x = model.embed_tokens(ids)
+        cos, sin = model.rope_cos[pos].to(x.dtype), model.rope_sin[pos].to(x.dtype)
+        for layer, kv in zip(model.layers, kv_mod):
+            x = layer(x, cos, sin, meta, kv)
+        want = model.norm(x)
+    assert torch.equal(got, want)
+
+
 def test_stack_is_rebuilt_when_a_layer_changes_and_skipped_for_long_steps():
     model = tiny_model()
     kv = caches(model, 3)

@@ -212,7 +212,9 @@ def test_nvfp4_linear_segments_match_the_per_layer_reference(act_quant: bool) ->
     assert torch.equal(layer.dequantise(), torch.cat([w.dequantise() for w in weights]))
     x = torch.randn(5, 48, generator=g)
     expect = torch.cat([nvfp4_linear(x, w, act_quant, b) for w, b in zip(weights, layer.bias.split([32, 16, 16]))], -1)
-    torch.testing.assert_close(layer(x), expect, rtol=1e-6, atol=1e-6)
+    # W4A16 on CPU runs shared.ops.qgemm's kernel: the same products, summed in another order
+    tol = 1e-6 if act_quant or layer.packed is None else 1e-5 * expect.abs().max().item()
+    torch.testing.assert_close(layer(x), expect, rtol=1e-6 if tol == 1e-6 else 1e-5, atol=tol)
     layer.to(torch.bfloat16)                              # the packed format survives a dtype cast; the bias follows
     assert (layer.weight_packed.dtype, layer.weight_scale.dtype, layer.weight_global_scale.dtype) == \
         (torch.uint8, torch.float8_e4m3fn, torch.float32)

@@ -1,0 +1,111 @@
+// Linear layers whose weights stay block-quantised (4- or 8-bit codes with per-block scales), for a step's rows on
+// CPUs with AVX512-BF16 (shared/ops/qgemm.py packs the weights and loads this).
+//
+// Every format this serves (NVFP4, GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K) is, per block of 16 or 32 input
+// features of one output column, w = value(code) * scale + min. The kernel expands each code in registers to a bf16
+// number e = value * f + shift (f is 1 or 2; shift a per-weight constant that makes e a small positive integer plus
+// a power of two, so e is built from the code's bits with shifts and masks, no conversion), and computes per block
+//     y[c] += scale'[c, b] * (sum_{i in b} e(code[c, i]) * x[i] - shift * sx[b])  +  min[c, b] * sx[b]
+// where sx[b] = sum_{i in b} x[i] and scale' = scale / f. Every product e * x is exact in fp32 (x in bf16), the sums
+// are in fp32: the dequantised weight's result up to the order (and the shift's cancellation) of fp32 sums.
+//
+// Weights are repacked once at load in units of 32 output columns (two panels of 16), one record per block:
+//     codes   BKK pairs of features for both panels, in the order the expansion reads them (see expand)
+//     scales  [2][16] fp16 or fp32, then mins [2][16] (when the format has them)
+// A block's codes are expanded to the layout vdpbf16ps multiplies (pairs of features of 16 columns, one zmm) into
+// a small buffer, up to MR rows of x at a time run over it, and each row's block sum is scaled into its fp32 total.
+// Every output is the same sequence of steps whatever the other rows of the call are, so a verification row is
+// computed exactly as a decode row.
+// Shapes: M = rows, K = in features, N = out features (padded to a multiple of 32), BKK = feature pairs per block,
+// NB = K / (2 BKK) blocks.
+#include <stdlib.h>
+#include <string.h>
+
+#include "qgemm.h"
+
+#define MR 2      // rows per register tile
+#define P 4       // accumulators per row and panel: vdpbf16ps's latency is about four times its issue interval
+
+// Rows r0 .. r0 + mr of one block: tot [rows][32] += scale * (x . e - shift * sx) + min * sx.
+static inline __attribute__((always_inline)) void rows_block(const uint16_t *x, int64_t ldx, int mr, int bkk,
+                                                             const __m512bh *buf, const __m512 *sc, const __m512 *mn,
+                                                             int has_min, float shift, const float *sx, int64_t nb,
+                                                             float *tot) {
+    __m512 a[MR][2][P];
+    for (int r = 0; r < MR; r++)
+        for (int p = 0; p < 2; p++)
+            for (int j = 0; j < P; j++)
+                a[r][p][j] = _mm512_setzero_ps();
+    for (int kk = 0; kk < bkk; kk += P)
+        for (int j = 0; j < P; j++) {
+            __m512bh w0 = buf[2 * (kk + j)], w1 = buf[2 * (kk + j) + 1];
+            for (int r = 0; r < MR; r++) {
+                if (r < mr) {
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + r * ldx + 2 * (kk + j)));
+                    a[r][0][j] = _mm512_dpbf16_ps(a[r][0][j], xv, w0);
+                    a[r][1][j] = _mm512_dpbf16_ps(a[r][1][j], xv, w1);
+                }
+            }
+        }
+    for (int r = 0; r < mr; r++) {
+        __m512 s = _mm512_set1_ps(sx[r * nb]), corr = _mm512_set1_ps(shift * sx[r * nb]);
+        for (int p = 0; p < 2; p++) {
+            __m512 sum = _mm512_add_ps(_mm512_add_ps(a[r][p][0], a[r][p][1]), _mm512_add_ps(a[r][p][2], a[r][p][3]));
+            __m512 t = _mm512_fmadd_ps(_mm512_sub_ps(sum, corr), sc[p], _mm512_loadu_ps(tot + UNIT * r + 16 * p));
+            if (has_min)
+                t = _mm512_fmadd_ps(mn[p], s, t);
+            _mm512_storeu_ps(tot + UNIT * r + 16 * p, t);
+        }
+    }
+}
+
+static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, const uint16_t *bias, int64_t n,
+                void *y, int64_t ldy, int threads, int out_f32) {
+    qdesc q = read_desc(desc);
+    int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;
+    float *sx = block_sums(x, m, ldx, q.nb, bf);
+    #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+        __m512bh buf[32];
+        float *tot = aligned_alloc(64, sizeof(float) * UNIT * (size_t)((m + MR - 1) / MR * MR));
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            memset(tot, 0, sizeof(float) * UNIT * (size_t)m);
+            const uint8_t *rec = q.data + u * q.nb * q.record;
+            for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
+                __m512 sc[2], mn[2];
+                expand(rec, q.kind, q.bkk, q.table, q.high, buf);
+                block_scales(&q, rec, sc, mn);
+                for (int64_t r0 = 0; r0 < m; r0 += MR) {
+                    const uint16_t *xr = x + r0 * ldx + b * bf;
+                    const float *sxr = sx + r0 * q.nb + b;
+                    float *tr = tot + UNIT * r0;
+                    if (m - r0 < MR)                       // constant row counts: accumulators stay in registers
+                        rows_block(xr, ldx, 1, q.bkk, buf, sc, mn, q.has_min, q.shift, sxr, q.nb, tr);
+                    else
+                        rows_block(xr, ldx, MR, q.bkk, buf, sc, mn, q.has_min, q.shift, sxr, q.nb, tr);
+                }
+            }
+            store_unit(tot, m, bias, n, u * UNIT, y, ldy, out_f32);
+        }
+        free(tot);
+    }
+    free(sx);
+}
+
+// x [M, K] bf16 rows (ldx apart), desc: the packed weight [N, K], bias [N] bf16 or NULL -> y [M, N] bf16 (ldy
+// apart). The call of shared/ops/rows_gemm_bf16.c, so the fused decoder takes either.
+void upesi_qgemm(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc, const uint16_t *bias,
+                 int64_t n, uint16_t *y, int64_t ldy, int threads) {
+    (void)k;
+    if (m > 0)
+        run(x, m, ldx, desc, bias, n, y, ldy, threads, 0);
+}
+
+// The same, y [M, N] fp32 (not rounded).
+void upesi_qgemm_f32(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc,
+                     const uint16_t *bias, int64_t n, float *y, int64_t ldy, int threads) {
+    (void)k;
+    if (m > 0)
+        run(x, m, ldx, desc, bias, n, y, ldy, threads, 1);
+}

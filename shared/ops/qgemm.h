@@ -1,0 +1,146 @@
+// The packed layout of block-quantised weights shared by qgemm.c (AVX512-BF16) and qgemm_amx.c (AMX): the
+// descriptor, the expansion of a block's codes to bf16 and the scales' loads. qgemm.c describes the format.
+#ifndef UPESI_QGEMM_H
+#define UPESI_QGEMM_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define UNIT 32   // output columns per unit of work (two panels)
+
+// desc [11] int64: data, table (128 bytes: the low and then the high bytes of 16 bf16 values, each 16-byte half once
+// per lane), the high byte of every expanded weight (kind 7), kind, bkk (8 / 16), scale_f16, min_f16, has_min, nb,
+// record bytes, shift (an fp32's bits). Kinds:
+//   5  4-bit codes of an affine table: e = 16 + code, from the nibble in place (Q4_0, Q4_1, Q4_K)
+//   4  4-bit codes of another table: e = the table's bf16 value, shift 0 (NVFP4's E2M1 values)
+//   7  8-bit codes of a range under 128: e = the bf16 (high, byte) (Q5_K, Q6_K)
+//   8  int8 codes: e = the code, converted (Q8_0)
+enum { D_DATA, D_TABLE, D_HIGH, D_KIND, D_BKK, D_SF16, D_MF16, D_MIN, D_NB, D_RECORD, D_SHIFT };
+
+// Expands one block of a unit into buf [BKK][2][32] bf16: feature pairs (2kk, 2kk + 1) of the unit's 32 columns.
+// Kind 4 reads `table` and `high` as the two byte tables; kind 7 `high` as the one high byte.
+static inline void expand(const uint8_t *codes, int kind, int bkk, __m512i table, __m512i high, __m512bh *buf) {
+    if (kind == 5) {             // a 64-byte chunk: nibble j of each 16-bit word is pair 2c + j / 2, panel j % 2
+        const __m512i mask = _mm512_set1_epi16(0x0078), one6 = _mm512_set1_epi16(0x4180);   // 16.0
+        for (int c = 0; c < bkk / 2; c++) {
+            __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * c));
+            // (t & 0x0078) | 0x4180: the nibble as mantissa bits 3-6 of 16.0, i.e. 16 + code
+            buf[4 * c] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, one6, 0xEA);
+            buf[4 * c + 1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, one6, 0xEA);
+            buf[4 * c + 2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mask, one6, 0xEA);
+            buf[4 * c + 3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mask, one6, 0xEA);
+        }
+    } else if (kind == 4) {      // a 64-byte chunk: low nibbles pair 2c, high nibbles 2c + 1; lane halves panels
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        for (int c = 0; c < bkk / 2; c++) {
+            __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * c));
+            __m512i n0 = _mm512_and_si512(v, low4), n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            __m512i l0 = _mm512_shuffle_epi8(table, n0), h0 = _mm512_shuffle_epi8(high, n0);
+            __m512i l1 = _mm512_shuffle_epi8(table, n1), h1 = _mm512_shuffle_epi8(high, n1);
+            buf[4 * c] = (__m512bh)_mm512_unpacklo_epi8(l0, h0);
+            buf[4 * c + 1] = (__m512bh)_mm512_unpackhi_epi8(l0, h0);
+            buf[4 * c + 2] = (__m512bh)_mm512_unpacklo_epi8(l1, h1);
+            buf[4 * c + 3] = (__m512bh)_mm512_unpackhi_epi8(l1, h1);
+        }
+    } else if (kind == 7) {      // a 64-byte chunk per pair; lane halves are the panels
+        for (int c = 0; c < bkk; c++) {
+            __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * c));
+            buf[2 * c] = (__m512bh)_mm512_unpacklo_epi8(v, high);
+            buf[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi8(v, high);
+        }
+    } else {                     // 32 bytes per pair and panel: each column's two features side by side
+        for (int i = 0; i < 2 * bkk; i++) {
+            const uint8_t *c = codes + 32 * i;
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+            buf[i] = _mm512_cvtne2ps_pbh(hi, lo);             // columns 0-7 in the low half, 8-15 in the high
+        }
+    }
+}
+
+static inline __m512 load_scales(const uint8_t *p, int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+}
+
+
+// The descriptor's fields, read once per call.
+typedef struct {
+    const uint8_t *data;
+    __m512i table, high;
+    int kind, bkk, sf16, mf16, has_min;
+    float shift;
+    int64_t nb, record, code_bytes, ss, ms;
+} qdesc;
+
+static inline qdesc read_desc(const int64_t *desc) {
+    qdesc q;
+    q.data = (const uint8_t *)desc[D_DATA];
+    q.kind = (int)desc[D_KIND];
+    q.table = _mm512_loadu_si512((const void *)desc[D_TABLE]);
+    q.high = q.kind == 4 ? _mm512_loadu_si512((const void *)(desc[D_TABLE] + 64))
+                         : _mm512_set1_epi8((char)desc[D_HIGH]);
+    q.bkk = (int)desc[D_BKK];
+    q.sf16 = (int)desc[D_SF16];
+    q.mf16 = (int)desc[D_MF16];
+    q.has_min = (int)desc[D_MIN];
+    int32_t shift_bits = (int32_t)desc[D_SHIFT];
+    memcpy(&q.shift, &shift_bits, 4);
+    q.nb = desc[D_NB];
+    q.record = desc[D_RECORD];
+    q.code_bytes = (int64_t)2 * q.bkk * (q.kind == 4 || q.kind == 5 ? 16 : 32);
+    q.ss = q.sf16 ? 2 : 4;
+    q.ms = q.mf16 ? 2 : 4;
+    return q;
+}
+
+// A block's scales (and mins) for the unit's two panels.
+static inline void block_scales(const qdesc *q, const uint8_t *rec, __m512 *sc, __m512 *mn) {
+    const uint8_t *sp = rec + q->code_bytes, *mp = sp + 32 * q->ss;
+    sc[0] = load_scales(sp, q->sf16);
+    sc[1] = load_scales(sp + 16 * q->ss, q->sf16);
+    mn[0] = mn[1] = _mm512_setzero_ps();
+    if (q->has_min) {
+        mn[0] = load_scales(mp, q->mf16);
+        mn[1] = load_scales(mp + 16 * q->ms, q->mf16);
+    }
+}
+
+// sx [M, NB]: each row's sum of x over each block, in one fixed order per row (malloc'd; the caller frees it).
+static inline float *block_sums(const uint16_t *x, int64_t m, int64_t ldx, int64_t nb, int64_t bf) {
+    float *sx = malloc(sizeof(float) * (size_t)(m * nb));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint16_t *xb = x + r * ldx + b * bf;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < bf; i += 16)
+                acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + i))), 16)));
+            sx[r * nb + b] = _mm512_reduce_add_ps(acc);
+        }
+    return sx;
+}
+
+// tot [M, 32] fp32 (+ bias [N] bf16) -> y's columns c0 .. c0 + 32 (< n), bf16 rounded to nearest even, or fp32.
+static inline void store_unit(const float *tot, int64_t m, const uint16_t *bias, int64_t n, int64_t c0, void *y,
+                              int64_t ldy, int out_f32) {
+    for (int half = 0; half < 2; half++) {
+        int64_t left = n - c0 - 16 * half;
+        if (left <= 0)
+            break;
+        __mmask16 msk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias)
+            bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_maskz_loadu_epi16(msk, bias + c0 + 16 * half)), 16));
+        for (int64_t r = 0; r < m; r++) {
+            __m512 v = _mm512_add_ps(_mm512_loadu_ps(tot + UNIT * r + 16 * half), bv);      // bias in fp32
+            if (out_f32)
+                _mm512_mask_storeu_ps((float *)y + r * ldy + c0 + 16 * half, msk, v);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + c0 + 16 * half, msk,
+                                         (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+#endif

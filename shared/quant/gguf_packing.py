@@ -1,0 +1,67 @@
+"""Serving a GGUF file's quantised linear layers as they are stored: swap them for QuantLinear before loading.
+
+    build_model:  model on meta -> consume = pack_gguf_linears(model, types) -> to_empty
+                  model.load_weights(consume(iter_weights(..., raw=consume.raw)))
+
+A linear unit (q/k/v fused, gate/up fused, or a lone layer) is kept packed when every checkpoint layer in it is of
+a type shared.quant.gguf_blocks reads and the kernel runs on this machine; its weights then arrive from the stream
+as GGUFRaw and go straight into the layer's segments, never dequantised. Everything else loads as before
+(dequantised to the model's dtype): norms, the embedding, expert stacks, and every layer where the kernel cannot run.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from shared.ops import qgemm
+from shared.quant.gguf_blocks import PACKED_TYPES, GGUFRaw
+from shared.quant.model_quant import linear_units
+from shared.quant.quant_linear import QuantLinear
+
+Weights = Iterator[tuple[str, Any]]
+
+
+class GGUFConsumer:
+    """Takes the packed layers' GGUFRaw tensors out of a weight stream into their QuantLinear segments."""
+
+    def __init__(self, targets: dict[str, tuple[QuantLinear, int]]) -> None:
+        self.targets = targets                   # "model.layers.0.self_attn.q_proj.weight" -> (layer, segment)
+
+    def raw(self, name: str) -> bool:
+        """Whether the stream should yield tensor `name` as it is stored."""
+        return name in self.targets
+
+    def __call__(self, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
+        loaded = set()
+        for name, t in weights:
+            if not isinstance(t, GGUFRaw):
+                yield name, t
+                continue
+            module, index = self.targets[name]
+            module.load_segment(index, t.block_quant(), name)
+            loaded.add(name)
+        missing = sorted(self.targets.keys() - loaded)
+        if missing:
+            raise ValueError(f"the GGUF stream lacked {len(missing)} packed layers, e.g. {missing[:3]}")
+
+
+def pack_gguf_linears(model: nn.Module, types: Mapping[str, Any]) -> Callable[[Weights], Weights]:
+    """Replaces the linear units of `model` whose checkpoint layers (by Hugging Face weight name in `types`, their
+    GGML types) all stay packed; returns the stream filter that loads them (the identity when none does)."""
+    if not qgemm.available():
+        return lambda weights: weights
+    targets: dict[str, tuple[QuantLinear, int]] = {}
+    for unit in linear_units(model):
+        names = [f"{n}.weight" for n in unit.hf_names]
+        if not all(types.get(n) in PACKED_TYPES for n in names):
+            continue
+        device = model.get_submodule(unit.name).weight.device
+        module = QuantLinear(unit.in_features, unit.segments, unit.bias, device=device)
+        parent, _, short = unit.name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, short, module)
+        for i, n in enumerate(names):
+            targets[n] = (module, i)
+    return GGUFConsumer(targets) if targets else (lambda weights: weights)

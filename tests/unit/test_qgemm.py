@@ -1,0 +1,130 @@
+"""Block-quantised weights kept packed (shared/ops/qgemm.c, qgemm_amx.c) against their torch reference: the
+dequantised weight (BlockQuant.dequantise) times x in fp64, on every expansion path, odd shapes, 1-64 rows, zero
+and subnormal blocks; the packed layout round trip; rows independent of the rows beside them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.ops import qgemm
+from shared.ops.qgemm import BlockQuant, QWeight
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason="needs AVX512-BF16 and a C compiler")
+
+# name -> (example kind, block, has mins, the kernel's expansion path)
+FORMATS = {"q4-affine": ("u4", 32, True, 5), "q4-affine-16": ("u4", 16, False, 5), "e2m1": ("e2m1", 16, False, 4),
+           "u6": ("u6", 16, True, 7), "u6-32": ("u6", 32, False, 7), "int8": ("i8", 32, False, 8),
+           "int8-16": ("i8", 16, True, 8)}
+
+
+def kernels() -> list[tuple[str, tuple]]:
+    """Every kernel this machine builds: AVX512-BF16's, and AMX's where the CPU has it."""
+    out = [("avx512", (qgemm._lib().upesi_qgemm, qgemm._lib().upesi_qgemm_f32))]
+    if qgemm._amx_lib() is not None:
+        out.append(("amx", (qgemm._amx_lib().upesi_qgemm_amx, qgemm._amx_lib().upesi_qgemm_amx_f32)))
+    return out
+
+
+def run_fp32(x: torch.Tensor, w: QWeight, fns) -> torch.Tensor:
+    """x [M, K] fp32 through one kernel, as qgemm.run does: three bf16 parts, summed in fp32."""
+    m = x.shape[0]
+    y = qgemm._call(qgemm.split_bf16(x).view(3 * m, -1), w, None, torch.float32, fns).view(3, m, -1)
+    return (y[0] + y[1]) + y[2]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (7, 32)])
+def test_kernels_equal_the_dequantised_weight(fmt: str, n: int, k: int) -> None:
+    kind, block, has_min, path = FORMATS[fmt]
+    g = torch.Generator().manual_seed(n + k)
+    bq = qgemm.example(kind, n, k, block, g, has_min)
+    w = QWeight(bq)
+    assert w.kind == path
+    ref_w = bq.dequantise()
+    assert torch.equal(w.dequantise(), ref_w)                       # the layout round-trips exactly
+    for name, fns in kernels():
+        for m in (1, 2, 3, 5, 16, 17, 33, 64):
+            x = torch.randn(m, k, generator=g)
+            want = x.double() @ ref_w.double().t()
+            fp32 = (x @ ref_w.t()).double()                        # an fp32 matmul's own error, for scale
+            tol = 4 * (fp32 - want).abs().max().item() + 1e-6 * want.abs().max().item()
+            got = run_fp32(x, w, fns)
+            assert (got.double() - want).abs().max().item() <= tol, (name, m)
+            xb = x.bfloat16()
+            got_b = qgemm._call(xb, w, None, torch.bfloat16, fns)
+            exact_b = qgemm._call(xb, w, None, torch.float32, fns)
+            assert torch.equal(got_b, exact_b.bfloat16()), (name, m)  # bf16 output: the fp32 result, rounded once
+            want_b = xb.double() @ ref_w.double().t()
+            assert (exact_b.double() - want_b).abs().max().item() <= 4 * tol + 1e-6, (name, m)
+
+
+@pytest.mark.parametrize("name,fns", kernels())
+def test_a_row_is_computed_alike_whatever_rows_share_the_call(name: str, fns) -> None:
+    g = torch.Generator().manual_seed(7)
+    for fmt in ("q4-affine", "e2m1", "int8"):
+        kind, block, has_min, _ = FORMATS[fmt]
+        w = QWeight(qgemm.example(kind, 72, 128, block, g, has_min))
+        x = torch.randn(40, 128, generator=g).bfloat16()
+        full = qgemm._call(x, w, None, torch.float32, fns)
+        for lo, hi in ((0, 1), (5, 6), (39, 40), (3, 20), (16, 33)):
+            assert torch.equal(qgemm._call(x[lo:hi], w, None, torch.float32, fns), full[lo:hi]), (fmt, lo, hi)
+
+
+def test_zero_and_subnormal_blocks() -> None:
+    g = torch.Generator().manual_seed(3)
+    bq = qgemm.example("u4", 32, 128, 32, g, has_min=True)
+    bq.scales[0] = 0.0                                              # a zero block scale and min
+    bq.mins[0] = 0.0
+    bq.scales[1, 1] = 2.0 ** -24                                    # fp16 subnormals
+    bq.mins[1, 2] = -(2.0 ** -20)
+    bq.codes[2, :32] = 0
+    w = QWeight(bq)
+    x = torch.randn(3, 128, generator=g)
+    want = x.double() @ bq.dequantise().double().t()
+    got = qgemm.run(x, w).double()
+    assert torch.equal(got[:, 0], torch.zeros(3, dtype=torch.float64))
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    nv = qgemm.example("e2m1", 32, 64, 16, g, has_min=False)
+    nv.scales[3] = 1e-40                                            # an fp32 subnormal step
+    got = qgemm.run(x[:, :64], QWeight(nv)).double()
+    want = x[:, :64].double() @ nv.dequantise().double().t()
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+
+
+def test_split_bf16_is_exact() -> None:
+    x = torch.randn(1000) * torch.logspace(-20, 20, 1000)
+    parts = qgemm.split_bf16(x.view(1, -1))
+    assert torch.equal((parts[0].double() + parts[1].double() + parts[2].double()).float(), x.view(1, -1))
+
+
+def test_fused_segments_widen_to_a_common_form() -> None:
+    g = torch.Generator().manual_seed(5)
+    q4 = qgemm.example("u4", 32, 64, 32, g, has_min=True)
+    e2 = qgemm.example("e2m1", 16, 64, 16, g, has_min=False)
+    i8 = qgemm.example("i8", 16, 64, 32, g, has_min=False)
+    fused = BlockQuant.cat([q4, e2, i8])
+    assert (fused.bits, fused.block) == (8, 16)
+    want = torch.cat([q4.dequantise(), e2.dequantise(), i8.dequantise()])
+    assert torch.equal(fused.dequantise(), want)
+    x = torch.randn(4, 64, generator=g)
+    got = qgemm.linear(x, QWeight(fused))
+    torch.testing.assert_close(got, x @ want.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_falls_back_to_the_dequantised_weight_for_autograd() -> None:
+    g = torch.Generator().manual_seed(1)
+    bq = qgemm.example("u4", 32, 64, 32, g)
+    x = torch.randn(2, 64, generator=g, requires_grad=True)
+    y = qgemm.linear(x, QWeight(bq))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, bq.dequantise().sum(0).expand(2, -1))
+
+
+def test_unsupported_layouts_are_refused() -> None:
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(qgemm.QuantFormatError):
+        QWeight(qgemm.example("u4", 8, 48, 32, g))                  # K not a multiple of the block
+    bq = qgemm.example("u4", 8, 64, 32, g)
+    bq.lut = torch.arange(16.0) * 0.3                               # not bf16-exact, not integers
+    with pytest.raises(qgemm.QuantFormatError):
+        QWeight(bq)
