@@ -11,6 +11,13 @@ Beside tokens/s: time to first token, and CPU seconds per generated token (every
 the peer, divided by the tokens). The physical bound of single-stream plain decoding, (memory read bandwidth) /
 (weight bytes read per step), is measured on this machine and each single-stream figure given as a fraction of it.
 
+4-bit weights: the default model is a Q4_1 GGUF whose layers the stack serves as they are stored (packed codes,
+shared/ops/qgemm.c). `--weights` adds stacks beside it, plain requests alternating with the default stack's:
+`bf16` (the same flags plus --dequantise-gguf: the file dequantised to bf16 at load) and `nvfp4:DIR` (an NVFP4
+checkpoint made by `upesi quantize`, served plainly). The target's resident memory is reported for each stack.
+With `--llamacpp-python PATH` (the interpreter of a llama-cpp-python install) llama.cpp decodes the same prompt
+tokens from `--llamacpp-model` (default: the default model's Q4_1 file) one at a time (bench/peer_llamacpp.py).
+
 With `--vllm-python PATH` (the interpreter of a vLLM CPU install) and `--vllm-model DIR` (a Hugging Face folder
 of the same weights), vLLM runs in its own processes (bench/peer_vllm.py: in-process engine, every core,
 plain and n-gram speculation K = 4) in the same dtype as the stack; transformers `generate` runs unless
@@ -18,6 +25,7 @@ plain and n-gram speculation K = 4) in the same dtype as the stack; transformers
 
     .venv/bin/python bench/bench_peers.py [--vllm-python ~/vllm/bin/python --vllm-model ~/smollm2-hf]
         [--serve-args "..."] [--loads 1 4 32] [--tokens 128] [--dtype auto] [--skip-hf]
+        [--weights bf16 nvfp4:/tmp/smollm2-nvfp4] [--llamacpp-python ~/.cache/upesi-llamacpp-peer/venv/bin/python]
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -114,6 +122,18 @@ class ServeStack:
                 pass
         return total
 
+    def target_rss_mb(self) -> float:
+        """Resident memory of the stack's target process(es), MB."""
+        import psutil
+        total = 0.0
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if " target " in " ".join(p.cmdline()) + " ":
+                    total += p.memory_info().rss / 1e6
+            except psutil.Error:
+                pass
+        return total
+
     async def one(self, prompt: str, tokens: int, k: int | None) -> tuple[int, float]:
         """One streamed request -> (completion tokens, seconds to the first token)."""
         from upesi.v1 import generation_pb2 as pb
@@ -151,35 +171,57 @@ class ServeStack:
             self.proc.wait()
 
 
-def measure_stack(stack: ServeStack, loads: list[int], tokens: int, reps: int, ks: dict[str, int | None]
+def measure_stack(sides: dict[str, tuple[ServeStack, int | None]], loads: list[int], tokens: int, reps: int
                   ) -> dict[str, dict]:
-    """Each side (name -> the requests' num_speculative_tokens: 0 plain, None the deployment's default) at each
-    load, the sides alternating request by request (single) or batch by batch, so that the machine's drift
-    between minutes falls on both alike."""
-    for k in ks.values():
+    """Each side (name -> a stack and its requests' num_speculative_tokens: 0 plain, None the deployment's
+    default) at each load, the sides alternating request by request (single) or batch by batch, so that the
+    machine's drift between minutes falls on all alike."""
+    for stack, k in sides.values():
         stack.run(PROMPTS[:1], tokens, k)                                # warm-up, full length
-    out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in ks}
+    out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in sides}
     for load in loads:
         if load == 1:
-            runs: dict[str, list[dict[str, float]]] = {name: [] for name in ks}
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
             for p in PROMPTS:
                 for _ in range(reps):
-                    for name, k in ks.items():
+                    for name, (stack, k) in sides.items():
                         runs[name].append(stack.run([p], tokens, k))
             for name, r in runs.items():
                 out[name]["single"] = {key: statistics.mean(x[key] for x in r) for key in r[0]}
                 out[name]["single"]["ttft_s"] = statistics.median(x["ttft_s"] for x in r)
             continue
         prompts = (PROMPTS * load)[:load]
-        best: dict[str, list[dict[str, float]]] = {name: [] for name in ks}
-        for k in ks.values():
+        best: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+        for stack, k in sides.values():
             stack.run(prompts, 8, k)
         for _ in range(reps):
-            for name, k in ks.items():
+            for name, (stack, k) in sides.items():
                 best[name].append(stack.run(prompts, tokens, k))
         for name, r in best.items():
             out[name][f"c{load}"] = max(r, key=lambda x: x["tok_s"])
+    for name, (stack, _) in sides.items():
+        out[name]["target_rss_mb"] = stack.target_rss_mb()
     return out
+
+
+def measure_llamacpp(a: argparse.Namespace) -> dict:
+    """llama.cpp on the same prompt tokens (the chat template applied by Upesi's tokenizer), one at a time."""
+    from shared.model.loader import load_config
+    from shared.model_files import default_model_path
+    from shared.tokenizer import Tokenizer
+    model = a.llamacpp_model or default_model_path()
+    tok = Tokenizer(default_model_path())
+    spec = {"ids": [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS],
+            "eos": load_config(default_model_path()).eos_token_ids}
+    path = Path(tempfile.gettempdir()) / "upesi-bench-peers-llamacpp.json"
+    path.write_text(json.dumps(spec))
+    cmd = [a.llamacpp_python, str(ROOT / "bench" / "peer_llamacpp.py"), "--model", model, "--prompts-json",
+           str(path), "--threads", str(a.threads), "--tokens", str(a.tokens), "--reps", str(a.reps)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir())
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"llama.cpp run failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def measure_vllm(a: argparse.Namespace, dtype: str, ngram: int) -> dict:
@@ -243,15 +285,36 @@ def measure_hf(a: argparse.Namespace, dtype: str) -> dict:
     return out
 
 
-def weight_bytes(dtype: str) -> int:
-    """Bytes of weights a plain decode step reads (every linear layer, the LM head, norms) in `dtype`."""
-    from shared.model.loader import load_config
+# bytes per weight of each GGUF type as shared/ops/qgemm.py packs it (codes, then scales and mins in fp16 where
+# they are exactly fp16 values, else fp32)
+PACKED_BYTES = {"Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 4 / 32, "Q8_0": 1 + 2 / 32, "Q4_K": 0.5 + 8 / 32,
+                "Q5_K": 1 + 8 / 32, "Q6_K": 1 + 4 / 16}
+
+
+def weight_bytes(dtype: str, packed: bool = False) -> int:
+    """Bytes of weights a plain decode step reads (every linear layer, the LM head, norms) in `dtype`, or with the
+    default GGUF's quantised layers (and the head tied to its quantised embedding) read packed."""
+    from shared.model.loader import gguf_quant_types, load_config
     from shared.model_files import default_model_path
     c = load_config(default_model_path())
     per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim
                  * c.hidden_size + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)
     params = c.num_layers * per_layer + c.vocab_size * c.hidden_size + c.hidden_size
-    return params * (4 if dtype == "float32" else 2)
+    size = 4 if dtype == "float32" else 2
+    if not packed:
+        return params * size
+    total = params * size
+    shapes = {"q_proj": (c.num_heads * c.head_dim, c.hidden_size), "k_proj": (c.num_kv_heads * c.head_dim,
+              c.hidden_size), "v_proj": (c.num_kv_heads * c.head_dim, c.hidden_size),
+              "o_proj": (c.hidden_size, c.num_heads * c.head_dim), "gate_proj": (c.intermediate_size, c.hidden_size),
+              "up_proj": (c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size),
+              "embed_tokens": (c.vocab_size, c.hidden_size)}
+    for name, kind in gguf_quant_types(default_model_path(), c).items():
+        short = name.split(".")[-2]
+        if kind.name in PACKED_BYTES and short in shapes and (short != "embed_tokens" or c.tie_word_embeddings):
+            n = shapes[short][0] * shapes[short][1]
+            total += int(n * (PACKED_BYTES[kind.name] - size))
+    return total
 
 
 def served_dtype(dtype: str) -> str:
@@ -275,6 +338,11 @@ def main() -> None:
     ap.add_argument("--vllm-preload", nargs="*", default=[], help="libraries to LD_PRELOAD into vLLM (tcmalloc)")
     ap.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
     ap.add_argument("--skip-spec", action="store_true", help="only plain requests through the stack")
+    ap.add_argument("--weights", nargs="*", default=[], help="stacks beside the default one, plain requests: bf16 "
+                    "(the GGUF dequantised at load) and/or nvfp4:DIR (an NVFP4 checkpoint)")
+    ap.add_argument("--llamacpp-python", default=None, help="python of a llama-cpp-python install (measures "
+                                                            "llama.cpp beside, single stream)")
+    ap.add_argument("--llamacpp-model", default=None, help="GGUF file for llama.cpp (default: the default model)")
     a = ap.parse_args()
     if a.vllm_python and not a.vllm_model:
         ap.error("--vllm-python needs --vllm-model (a Hugging Face folder of the same weights)")
@@ -282,23 +350,36 @@ def main() -> None:
     dtype = served_dtype(a.dtype)
     serve = shlex.split(a.serve_args) if a.serve_args is not None else make_run_args()
     results: dict[str, dict] = {}
-    stack = ServeStack([*serve, "--dtype", a.dtype])
+    stacks = [ServeStack([*serve, "--dtype", a.dtype])]
     try:
-        ks = {"upesi plain": 0} if a.skip_spec else {"upesi plain": 0, "upesi default": None}
-        results.update(measure_stack(stack, a.loads, a.tokens, a.reps, ks))
+        sides = {"upesi plain": (stacks[0], 0)} | ({} if a.skip_spec else {"upesi default": (stacks[0], None)})
+        for w in a.weights:
+            if w == "bf16":
+                stacks.append(ServeStack([*serve, "--dtype", a.dtype, "--dequantise-gguf"]))
+                sides["upesi bf16 weights plain"] = (stacks[-1], 0)
+            elif w.startswith("nvfp4:"):
+                stacks.append(ServeStack(["--model", w.split(":", 1)[1], "--dtype", a.dtype]))
+                sides["upesi nvfp4 plain"] = (stacks[-1], 0)
+            else:
+                ap.error(f"--weights takes bf16 and nvfp4:DIR, not {w!r}")
+        results.update(measure_stack(sides, a.loads, a.tokens, a.reps))
     finally:
-        stack.close()
+        for stack in stacks:
+            stack.close()
+    if a.llamacpp_python:
+        results["llama.cpp"] = measure_llamacpp(a)
     if a.vllm_python:
         results["vllm plain"] = measure_vllm(a, dtype, 0)
         results["vllm ngram K=4"] = measure_vllm(a, dtype, 4)
     if not a.skip_hf:
         results["transformers"] = measure_hf(a, dtype)
     bw = read_bandwidth_gbs(a.threads)
-    bound = bw * 1e9 / weight_bytes(dtype)
+    bound = bw * 1e9 / weight_bytes(dtype, packed=True)
 
     print(f"\n{cpu_name()}; dtype {dtype}; {a.tokens} greedy tokens (EOS ignored); `upesi serve {' '.join(serve)}`")
     print(f"read bandwidth {bw:.1f} GB/s -> single-stream plain bound {bound:.1f} tok/s "
-          f"({weight_bytes(dtype) / 1e6:.0f} MB of weights per step)")
+          f"({weight_bytes(dtype, packed=True) / 1e6:.0f} MB of weights per step, packed; "
+          f"{weight_bytes(dtype) / 1e6:.0f} MB in {dtype})")
     base = results.get("vllm plain", {})
     cols = ["single" if x == 1 else f"c{x}" for x in a.loads]
     print(f"{'tokens/s (TTFT s, CPU ms/token)':34}" + "".join(f"{c:>30}" for c in cols))
@@ -314,8 +395,14 @@ def main() -> None:
                          f"{1e3 * x['cpu_s_per_tok']:.0f})".rjust(30))
         print(f"{name:34}" + "".join(cells))
     for name, r in results.items():
-        if "single" in r:
+        if "single" in r and name.startswith("upesi") and "weights" not in name and "nvfp4" not in name:
             print(f"{name}: single stream at {r['single']['tok_s'] / bound:.0%} of the bandwidth bound")
+    for name, r in results.items():
+        if "target_rss_mb" in r:
+            print(f"{name}: target resident memory {r['target_rss_mb']:.0f} MB")
+    if "llama.cpp" in results and "upesi plain" in results:
+        print(f"upesi plain / llama.cpp, single stream: "
+              f"{results['upesi plain']['single']['tok_s'] / results['llama.cpp']['single']['tok_s']:.2f}x")
     print(json.dumps({"cpu": cpu_name(), "dtype": dtype, "tokens": a.tokens, "serve_args": serve,
                       "read_bandwidth_gbs": bw, "bound_tok_s": bound, "results": results}))
 

@@ -86,6 +86,7 @@ class ServeConfig:
     draft_address: str = option("127.0.0.1:50071", "draft service address (with --draft)")
     ready_timeout_s: float = option(600.0, "how long to wait for the stack to come up")
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")
+    dequantise_gguf: bool = options.dequantise_gguf()
     rebalance_interval_s: float = option(0.0, "with expert shards: the targets replicate hot experts every this many "
                                               "seconds when the shards' load is out of balance (0 = off)")
     draft_metrics_port: int = option(8071, "draft service /metrics port (with --draft; 0 = off)")
@@ -302,6 +303,7 @@ def main(args: argparse.Namespace) -> None:
         registry = ["--registry", cfg.registry] if cfg.registry else []
         placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
         quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # targets and shards alike
+        gguf = ["--dequantise-gguf"] if cfg.dequantise_gguf else []             # targets
         env = _expert_env(cfg)
         # the shards share this machine's cores with the target
         shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
@@ -347,7 +349,7 @@ def main(args: argparse.Namespace) -> None:
                 "target", "--address", address, "--replica-id", address,
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *overrides, *threads, *registry, *experts, *spec, *quant,
+                *model, *overrides, *threads, *registry, *experts, *spec, *quant, *gguf,
                 *cfg.kv_store_args(f"target-{i}", decode=True),
                 *hidden,
                 *_tls_args(cfg, client=True)])
@@ -360,7 +362,7 @@ def main(args: argparse.Namespace) -> None:
                 *(["--kv-store-sync"] if cfg.kv_transfer == "store" else []),
                 "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
                 "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *overrides, *threads, *experts, *quant, *cfg.kv_store_args(f"prefill-{i}"), *hidden,
+                *model, *overrides, *threads, *experts, *quant, *gguf, *cfg.kv_store_args(f"prefill-{i}"), *hidden,
                 *_tls_args(cfg, client=True)])
             procs.append(_child(restartable[len(procs)][2], env))
         for address in cfg.prefill_addresses():      # the router uses a prefill target once it answers

@@ -69,6 +69,11 @@ def nvfp4_act_quant() -> Any:
     return option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
 
 
+def dequantise_gguf() -> Any:
+    return option(False, "GGUF files: dequantise their quantised layers to --dtype at load instead of serving the "
+                         "codes as they are (4-bit layers then read 3x the bytes a step; for comparisons)")
+
+
 def expert_placement() -> Any:
     return option(None, "placement JSON of FFN units on the expert shards, or 'replicated' (every unit on every "
                   "shard: one shard may fail; default: contiguous)")

@@ -63,6 +63,7 @@ class TargetConfig(options.TLS):
     draft_tree_nodes: int | None = options.draft_tree_nodes()
     draft_tree_ngram: int | None = options.draft_tree_ngram()
     nvfp4_act_quant: bool = options.nvfp4_act_quant()
+    dequantise_gguf: bool = options.dequantise_gguf()
     capture_hidden: bool = option(False, "keep every position's last hidden state beside its KV from the start "
                                          "(about 5% more memory than the KV cache), so that a prefix cached before "
                                          "an EAGLE draft service first connects still gives its head the prompt's "

@@ -49,7 +49,7 @@ class EngineConfig:
     # (None: the serving policy, shared.spec.eagle_proposer.SERVING)
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
-    gguf_packed: bool = True              # GGUF quant types stay packed (shared.quant.gguf_packing); False: dequantised
+    dequantise_gguf: bool = False         # GGUF files: quantised layers dequantised at load (default: kept packed)
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting_seqs) < 1:

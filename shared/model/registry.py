@@ -64,10 +64,10 @@ def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.devic
         model = factory(cfg, max_len)
     consume = apply_quantization(model, cfg.extra, path)   # quantised checkpoints: swap layers, take their tensors
     if is_gguf(path) and packed and torch.device(device).type == "cpu":   # GGUF quant types stay packed (CPU)
-        consume = pack_gguf_linears(model, gguf_quant_types(path, cfg))
+        consume = pack_gguf_linears(model, gguf_quant_types(path, cfg), tied_head=cfg.tie_word_embeddings)
     model = model.to_empty(device="cpu")          # no random init: every weight comes from the checkpoint
     model.rope_cos, model.rope_sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and type(model.lm_head) is nn.Linear:     # (a packed head has its own codes)
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(consume(iter_weights(path, cfg, progress, raw=getattr(consume, "raw", None))))
     model = model.to(device=device, dtype=dtype).eval()

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -241,18 +242,32 @@ def pack(kf: _Kernel, block: int, sf16: bool, mf16: bool) -> torch.Tensor:
     nb, bkk, units = k // block, block // 2, -(-n // UNIT)
     pad = units * UNIT - n
     codes = F.pad(kf.codes.view(torch.uint8), (0, 0, 0, pad))                        # [N', K]
-    view, perm = _code_order(kf.kind, units, nb, bkk)
-    # columns are 16 panel + 8 (w // 8 ... ) : col = 4 * w8 + w % 8 // 2 within the panel for kinds 4 / 7
-    c = codes.view(*view).permute(*perm).contiguous()
-    if kf.kind in (4, 5):
-        c = c[..., 0] | (c[..., 1] << 4)
-    parts = [c.reshape(units, nb, -1)]
+    if kf.kind == 5:
+        parts = [_pack_affine_nibbles(codes, units, nb, bkk)]
+    else:
+        view, perm = _code_order(kf.kind, units, nb, bkk)
+        c = codes.view(*view).permute(*perm).contiguous()
+        if kf.kind == 4:
+            c = c[..., 0] | (c[..., 1] << 4)
+        parts = [c.reshape(units, nb, -1)]
     for s, f16 in ((kf.scales, sf16), (kf.mins, mf16)):
         if s is None:
             continue
         s = F.pad(s, (0, 0, 0, pad)).to(torch.float16 if f16 else torch.float32)     # [N', B]
         parts.append(s.view(units, UNIT, nb).transpose(1, 2).contiguous().view(torch.uint8).view(units, nb, -1))
     return torch.cat(parts, dim=-1).contiguous()
+
+
+def _pack_affine_nibbles(codes: torch.Tensor, units: int, nb: int, bkk: int) -> torch.Tensor:
+    """Kind 5's bytes (_code_order's) by whole-word moves: a byte joins the two panels' codes of one column and
+    feature (nibbles), each column's 2 x 2 (pair parity, feature) bytes are reordered inside their 32-bit word,
+    and the words of 16 columns are transposed into place."""
+    c = codes.view(units, 2, 16, -1)
+    both = (c[:, 0] | (c[:, 1] << 4)).numpy()                                       # [U, 16, K] panel nibbles
+    words = both.view(np.uint32)                                    # [U, 16, K / 4]: (k0f0 k0f1 k1f0 k1f1)
+    words = (words & 0xFF0000FF) | ((words >> 8) & 0x0000FF00) | ((words << 8) & 0x00FF0000)   # (k0f0 k1f0 k0f1 k1f1)
+    out = torch.from_numpy(words.view(np.int32)).view(units, 16, nb, bkk // 2).permute(0, 2, 3, 1).contiguous()
+    return out.view(torch.uint8).view(units, nb, -1)
 
 
 def unpack(data: torch.Tensor, n: int, k: int, kind: int, block: int, sf16: bool, mf16: bool, has_min: bool,

@@ -62,8 +62,8 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
     __m512 shift = _mm512_set1_ps(q.shift);
     #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
     {
-        __m512bh buf[32];
-        float acc[2][16 * 16];
+        __m512bh bufs[2][32];                              // alternating: a block's expansion never waits on the
+        float acc[2][16 * 16];                             // tile loads of the one before
         float *tot = aligned_alloc(64, sizeof(float) * UNIT * (size_t)m);
         configure(rows, q.bkk);
         #pragma omp for schedule(static)
@@ -72,6 +72,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
             const uint8_t *rec = q.data + u * q.nb * q.record;
             for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
                 __m512 sc[2], mn[2];
+                __m512bh *buf = bufs[b & 1];
                 expand(rec, q.kind, q.bkk, q.table, q.high, buf);
                 block_scales(&q, rec, sc, mn);
                 // tot += sc * (sums - shift * sx) + mn * sx  ==  sc * sums + (mn - shift * sc) * sx

@@ -5,8 +5,10 @@
 
 A linear unit (q/k/v fused, gate/up fused, or a lone layer) is kept packed when every checkpoint layer in it is of
 a type shared.quant.gguf_blocks reads and the kernel runs on this machine; its weights then arrive from the stream
-as GGUFRaw and go straight into the layer's segments, never dequantised. Everything else loads as before
-(dequantised to the model's dtype): norms, the embedding, expert stacks, and every layer where the kernel cannot run.
+as GGUFRaw and go straight into the layer's segments, never dequantised. An LM head tied to a packed-type embedding
+(the default model's Q8_0 `token_embd`) becomes a QuantLinear of the embedding's codes, and the embedding itself is
+dequantised from the same bytes for its lookups. Everything else loads as before (dequantised to the model's
+dtype): norms, expert stacks, and every layer where the kernel cannot run.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ Weights = Iterator[tuple[str, Any]]
 class GGUFConsumer:
     """Takes the packed layers' GGUFRaw tensors out of a weight stream into their QuantLinear segments."""
 
-    def __init__(self, targets: dict[str, tuple[QuantLinear, int]]) -> None:
+    def __init__(self, targets: dict[str, tuple[QuantLinear, int]], keep_dense: frozenset[str] = frozenset()) -> None:
         self.targets = targets                   # "model.layers.0.self_attn.q_proj.weight" -> (layer, segment)
+        self.keep_dense = keep_dense             # tensors also loaded dequantised (an embedding a head is tied to)
 
     def raw(self, name: str) -> bool:
         """Whether the stream should yield tensor `name` as it is stored."""
@@ -41,19 +44,32 @@ class GGUFConsumer:
                 yield name, t
                 continue
             module, index = self.targets[name]
-            module.load_segment(index, t.block_quant(), name)
+            bq = t.block_quant()
+            module.load_segment(index, bq, name)
             loaded.add(name)
+            if name in self.keep_dense:
+                yield name, bq.dequantise()
         missing = sorted(self.targets.keys() - loaded)
         if missing:
             raise ValueError(f"the GGUF stream lacked {len(missing)} packed layers, e.g. {missing[:3]}")
 
 
-def pack_gguf_linears(model: nn.Module, types: Mapping[str, Any]) -> Callable[[Weights], Weights]:
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def pack_gguf_linears(model: nn.Module, types: Mapping[str, Any], tied_head: bool = False
+                      ) -> Callable[[Weights], Weights]:
     """Replaces the linear units of `model` whose checkpoint layers (by Hugging Face weight name in `types`, their
-    GGML types) all stay packed; returns the stream filter that loads them (the identity when none does)."""
+    GGML types) all stay packed, and with `tied_head` its LM head by the embedding's codes; returns the stream
+    filter that loads them (the identity when nothing is packed)."""
     if not qgemm.available():
         return lambda weights: weights
     targets: dict[str, tuple[QuantLinear, int]] = {}
+    keep_dense: frozenset[str] = frozenset()
+    head = getattr(model, "lm_head", None)
+    if tied_head and isinstance(head, nn.Linear) and types.get(EMBEDDING) in PACKED_TYPES:
+        model.lm_head = QuantLinear(head.in_features, [head.out_features], device=head.weight.device)
+        targets[EMBEDDING], keep_dense = (model.lm_head, 0), frozenset({EMBEDDING})
     for unit in linear_units(model):
         names = [f"{n}.weight" for n in unit.hf_names]
         if not all(types.get(n) in PACKED_TYPES for n in names):
@@ -64,4 +80,4 @@ def pack_gguf_linears(model: nn.Module, types: Mapping[str, Any]) -> Callable[[W
         setattr(model.get_submodule(parent) if parent else model, short, module)
         for i, n in enumerate(names):
             targets[n] = (module, i)
-    return GGUFConsumer(targets) if targets else (lambda weights: weights)
+    return GGUFConsumer(targets, keep_dense) if targets else (lambda weights: weights)

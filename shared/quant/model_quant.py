@@ -14,6 +14,9 @@ ignore list, matched as vLLM does: ignored names first, then exact names, then "
 """
 from __future__ import annotations
 
+import fnmatch
+import glob
+import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -24,13 +27,17 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from shared.quant.checkpoint import CheckpointFormatError, _is_ct_nvfp4_group, load_compressed_tensors
+from shared.quant.checkpoint import (CheckpointFormatError, _is_ct_nvfp4_group, detect_layout, load_compressed_tensors,
+                                     load_modelopt)
 from shared.quant.nvfp4_module import FP8Linear, NVFP4Linear
 
 Weights = Iterator[tuple[str, torch.Tensor]]
-Scheme = Literal["nvfp4", "fp8"]
+Scheme = Literal["nvfp4", "fp8", "modelopt"]
 NEEDED: dict[Scheme, tuple[str, ...]] = {"nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
-                                         "fp8": ("weight", "weight_scale")}
+                                         "fp8": ("weight", "weight_scale"),
+                                         "modelopt": ("weight", "weight_scale", "weight_scale_2")}
+# ModelOpt's KV-cache scales: the cache stays in the model's dtype here
+_MODELOPT_DROPPED = ("k_scale", "v_scale")
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,10 +119,10 @@ def apply_quantization(model: nn.Module, cfg_dict: Mapping[str, Any], path: str,
     else a dynamic one); False runs W4A16. Raises CheckpointFormatError for layouts or schemes not served.
     """
     qc = cfg_dict.get("quantization_config")
+    modelopt = modelopt_config(qc, path)
+    if modelopt is not None:
+        return _apply_modelopt(model, modelopt, path, act_quant)
     if not qc:
-        if os.path.isdir(path) and os.path.exists(os.path.join(path, "hf_quant_config.json")):
-            raise CheckpointFormatError("ModelOpt checkpoints are not served directly; convert them to "
-                                        "compressed-tensors (compressed_tensors ModelOptNvfp4Converter)")
         return lambda weights: weights
     if qc.get("quant_method") != "compressed-tensors":
         raise CheckpointFormatError(f"quantization method {qc.get('quant_method')!r} is not supported "
@@ -143,17 +150,78 @@ def apply_quantization(model: nn.Module, cfg_dict: Mapping[str, Any], path: str,
     return _Consumer(targets)
 
 
+def modelopt_config(qc: Mapping[str, Any] | None, path: str) -> Mapping[str, Any] | None:
+    """A ModelOpt checkpoint's quantization settings (config.json's quantization_config with quant_method
+    "modelopt", or hf_quant_config.json's "quantization"), or None for other checkpoints. Raises
+    CheckpointFormatError for a ModelOpt algorithm other than NVFP4."""
+    found = None
+    if qc and qc.get("quant_method") == "modelopt":
+        found = qc
+    elif not qc and os.path.isdir(path) and os.path.exists(os.path.join(path, "hf_quant_config.json")):
+        with open(os.path.join(path, "hf_quant_config.json")) as f:
+            hq = json.load(f)
+        found = hq.get("quantization", hq)
+        qc = hq
+    if found is None:
+        return None
+    if detect_layout(qc) != "modelopt":
+        raise CheckpointFormatError(f"ModelOpt quant_algo {found.get('quant_algo')!r} is not served (NVFP4 is)")
+    return found
+
+
+def _excluded(name: str, patterns: list[str]) -> bool:
+    """ModelOpt's exclude_modules: a module name, a prefix of one, or a shell glob."""
+    return any(name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _checkpoint_keys(path: str) -> set[str]:
+    from safetensors import safe_open
+    keys: set[str] = set()
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def _apply_modelopt(model: nn.Module, mo: Mapping[str, Any], path: str, act_quant: bool
+                    ) -> Callable[[Weights], Weights]:
+    """NVIDIA ModelOpt NVFP4 checkpoints as they are: every linear unit not in exclude_modules becomes an
+    NVFP4Linear loading `weight` (the codes), `weight_scale`, and the reciprocals `weight_scale_2` and
+    `input_scale` (checkpoint.load_modelopt)."""
+    patterns = list(mo.get("exclude_modules") or mo.get("ignore") or [])
+    with_inputs = any(k.endswith(".input_scale") for k in _checkpoint_keys(path))
+    targets: dict[str, tuple[nn.Module, int, str]] = {}
+    for unit in linear_units(model):
+        quantised = [not _excluded(n, patterns) for n in unit.hf_names]
+        if not any(quantised):
+            continue
+        if not all(quantised):
+            raise CheckpointFormatError(f"{unit.hf_names} are fused into {unit.name} but only some are excluded "
+                                        "from quantisation; requantise them alike")
+        device = model.get_submodule(unit.name).weight.device
+        module = NVFP4Linear(unit.in_features, unit.segments, unit.bias, act_quant, input_scales=with_inputs,
+                             device=device)
+        parent, _, short = unit.name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, short, module)
+        for i, n in enumerate(unit.hf_names):
+            targets[n] = (module, i, "modelopt")
+    return _Consumer(targets, drop=_MODELOPT_DROPPED)
+
+
 class _Consumer:
     """Takes the quantised layers' tensors out of a weight stream and loads them; yields everything else."""
 
-    def __init__(self, targets: dict[str, tuple[nn.Module, int, str]]) -> None:
+    def __init__(self, targets: dict[str, tuple[nn.Module, int, str]], drop: tuple[str, ...] = ()) -> None:
         self.targets = targets
+        self.drop = drop                          # leaf names read and discarded (ModelOpt's KV-cache scales)
 
     def __call__(self, weights: Weights) -> Weights:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
         for name, t in weights:
             prefix, _, leaf = name.rpartition(".")
+            if leaf in self.drop:
+                continue
             hit = self.targets.get(prefix)
             if hit is None or leaf == "bias":
                 yield name, t
@@ -176,14 +244,15 @@ class _Consumer:
     @staticmethod
     def _needed(hit: tuple[nn.Module, int, str]) -> tuple[str, ...]:
         module, _, scheme = hit
-        extra = ("input_global_scale",) if getattr(module, "input_global_scale", None) is not None else ()
+        inputs = "input_scale" if scheme == "modelopt" else "input_global_scale"
+        extra = (inputs,) if getattr(module, "input_global_scale", None) is not None else ()
         return NEEDED[scheme] + extra
 
     def _load(self, prefix: str, got: dict[str, torch.Tensor]) -> None:
         module, index, scheme = self.targets[prefix]
-        if scheme == "nvfp4":
-            w = load_compressed_tensors({f"{prefix}.{k}": v for k, v in got.items()}, prefix)
-            module.load_segment(index, w, prefix)
+        if scheme in ("nvfp4", "modelopt"):
+            load = load_compressed_tensors if scheme == "nvfp4" else load_modelopt
+            module.load_segment(index, load({f"{prefix}.{k}": v for k, v in got.items()}, prefix), prefix)
             return
         for leaf in NEEDED["fp8"]:
             if leaf not in got:

@@ -84,7 +84,7 @@ def test_the_default_model_packed_equals_its_dequantised_layers(engine, model_pa
     from shared.tokenizer import Tokenizer
     ids = Tokenizer(model_path).encode(text)[:120]
     assert isinstance(engine.runner.model.layers[0].mlp.down_proj, QuantLinear)
-    plain = LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.1, gguf_packed=False))
+    plain = LLMEngine(EngineConfig(progress=False, kv_cache_gb=0.1, dequantise_gguf=True))
     assert not isinstance(plain.runner.model.layers[0].mlp.down_proj, QuantLinear)
     diff = (engine.score(ids) - plain.score(ids)).abs().max().item()
     print(f"packed against dequantised: max abs logit difference {diff:.2e}")

@@ -2,6 +2,7 @@
 independent reference (transformers' Llama on weights dequantised here with shared.quant.nvfp4) and against
 compressed-tensors' own dequantiser."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 from compressed_tensors.quantization import QuantizationConfig
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -294,3 +295,43 @@ def test_cli_quantize_then_serve(tmp_path: Path, capsys) -> None:
     assert "wrote" in out and "bits/param" in out and "layers.0.mlp.down_proj (bf16)" in out
     precisions = default_precisions(**{f"model.layers.{i}.mlp.down_proj": "bf16" for i in range(2)})
     assert (engine(tmp_path / "q").score(IDS) - logits(reference(src, precisions))).abs().max().item() < 1e-5
+
+
+def to_modelopt(src: Path, dst: Path) -> None:
+    """A compressed-tensors NVFP4 checkpoint rewritten in NVIDIA ModelOpt's layout: codes under `weight`, the
+    reciprocal scales `weight_scale_2` and `input_scale`, hf_quant_config.json instead of quantization_config."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    ignore = config.pop("quantization_config")["ignore"]
+    (dst / "config.json").write_text(json.dumps(config))
+    (dst / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ignore, "kv_cache_quant_algo": None}}))
+    out = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "weight_packed":
+            out[f"{prefix}.weight"] = t
+        elif leaf == "weight_global_scale":
+            out[f"{prefix}.weight_scale_2"] = (1 / t.float()).reshape(())
+        elif leaf == "input_global_scale":
+            out[f"{prefix}.input_scale"] = (1 / t.float()).reshape(())
+        else:
+            out[name] = t
+    out["model.layers.0.self_attn.k_scale"] = torch.tensor(1.0)       # a KV-cache scale: read and dropped
+    save_file(out, str(dst / "model.safetensors"))
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_modelopt_checkpoints_are_served_as_they_are(tmp_path: Path, act_quant: bool) -> None:
+    save_tiny(tmp_path / "src")
+    quantize(str(tmp_path / "src"), str(tmp_path / "q"), act_quant=act_quant, calibration=IDS if act_quant else None,
+             progress=False)
+    to_modelopt(tmp_path / "q", tmp_path / "mo")
+    ct, mo = engine(tmp_path / "q"), engine(tmp_path / "mo")
+    assert sum(isinstance(m, NVFP4Linear) for m in mo.runner.model.modules()) == 8
+    # the same codes; the global scales pass through a reciprocal and back, as ModelOpt's readers invert them
+    got, want = mo.score(IDS), ct.score(IDS)
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
