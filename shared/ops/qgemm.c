@@ -94,18 +94,5 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
 }
 
 // x [M, K] bf16 rows (ldx apart), desc: the packed weight [N, K], bias [N] bf16 or NULL -> y [M, N] bf16 (ldy
-// apart). The call of shared/ops/rows_gemm_bf16.c, so the fused decoder takes either.
-void upesi_qgemm(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc, const uint16_t *bias,
-                 int64_t n, uint16_t *y, int64_t ldy, int threads) {
-    (void)k;
-    if (m > 0)
-        run(x, m, ldx, desc, bias, n, y, ldy, threads, 0);
-}
-
-// The same, y [M, N] fp32 (not rounded).
-void upesi_qgemm_f32(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc,
-                     const uint16_t *bias, int64_t n, float *y, int64_t ldy, int threads) {
-    (void)k;
-    if (m > 0)
-        run(x, m, ldx, desc, bias, n, y, ldy, threads, 1);
-}
+// apart): upesi_qgemm; y fp32: upesi_qgemm_f32.
+QGEMM_ENTRY_POINTS(upesi_qgemm, upesi_qgemm_f32)

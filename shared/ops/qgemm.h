@@ -143,4 +143,20 @@ static inline void store_unit(const float *tot, int64_t m, const uint16_t *bias,
         }
     }
 }
+
+// A kernel file's two entry points around its static run(): bf16 output, with the call of rows_gemm_bf16.c so the
+// fused decoder takes it, and fp32 output (not rounded).
+#define QGEMM_ENTRY_POINTS(bf16_name, f32_name)                                                                   \
+    void bf16_name(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc,                     \
+                   const uint16_t *bias, int64_t n, uint16_t *y, int64_t ldy, int threads) {                      \
+        (void)k;                                                                                                  \
+        if (m > 0)                                                                                                \
+            run(x, m, ldx, desc, bias, n, y, ldy, threads, 0);                                                    \
+    }                                                                                                             \
+    void f32_name(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc,                      \
+                  const uint16_t *bias, int64_t n, float *y, int64_t ldy, int threads) {                          \
+        (void)k;                                                                                                  \
+        if (m > 0)                                                                                                \
+            run(x, m, ldx, desc, bias, n, y, ldy, threads, 1);                                                    \
+    }
 #endif

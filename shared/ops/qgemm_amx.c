@@ -13,24 +13,14 @@
 // Shapes: M = rows, K = in features, N = out features, BKK = feature pairs per block, NB = blocks.
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "qgemm.h"
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 // Asks the kernel for the AMX tile state (once per process). Returns 0 when AMX may be used.
 int upesi_qgemm_amx_setup(void) {
-    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+    return amx_request();
 }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
 
 // Tiles 0-1: the block sums of the two panels [rows, 16] fp32; 2: x's block [rows, 2 BKK] bf16; 3-4: the panels'
 // expanded codes [BKK, 32] bf16.
@@ -109,16 +99,4 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
 }
 
 // The calls of qgemm.c (upesi_qgemm, upesi_qgemm_f32) on the tile unit.
-void upesi_qgemm_amx(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc,
-                     const uint16_t *bias, int64_t n, uint16_t *y, int64_t ldy, int threads) {
-    (void)k;
-    if (m > 0)
-        run(x, m, ldx, desc, bias, n, y, ldy, threads, 0);
-}
-
-void upesi_qgemm_amx_f32(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc,
-                         const uint16_t *bias, int64_t n, float *y, int64_t ldy, int threads) {
-    (void)k;
-    if (m > 0)
-        run(x, m, ldx, desc, bias, n, y, ldy, threads, 1);
-}
+QGEMM_ENTRY_POINTS(upesi_qgemm_amx, upesi_qgemm_amx_f32)

@@ -16,11 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx.h"
 
 typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
                         uint16_t *, int64_t, int);
@@ -31,14 +28,8 @@ static gemm_fn fallback;
 // Returns 0 when AMX may be used.
 int upesi_amx_setup(gemm_fn fb) {
     fallback = fb;
-    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+    return amx_request();
 }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
 
 // Tiles 0-3: accumulators (C[block][panel]) and 4-5: x blocks, `rows` rows each; 6-7: panels, 16 pairs of
 // input features. Every row 64 bytes.

@@ -64,6 +64,16 @@ def caches(model: LlamaForCausalLM, seed: int) -> list[tuple[torch.Tensor, torch
             for _ in model.layers]
 
 
+def module_path(model: LlamaForCausalLM, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The model's hidden states after the final norm, layer by layer through its modules (the reference)."""
+    x = model.embed_tokens(ids)
+    cos, sin = model.rope_cos[pos].to(x.dtype), model.rope_sin[pos].to(x.dtype)
+    for layer, layer_kv in zip(model.layers, kv):
+        x = layer(x, cos, sin, meta, layer_kv)
+    return model.norm(x)
+
+
 @pytest.mark.parametrize("bias,window,rotary", [(False, None, 1.0), (True, None, 1.0), (False, 7, 1.0),
                                                 (False, None, 0.5)])                  # 0.5: partial rotary
 @pytest.mark.parametrize("lens,qlens,trees", [
@@ -82,11 +92,7 @@ def test_stack_equals_modules_bit_for_bit(bias, window, rotary, lens, qlens, tre
         got = model(ids, pos, meta, kv_stack)
         assert model._stack[1] is not None, "the C stack was not built for a plain bf16 Llama"
         assert model._stack[1].takes(model.embed_tokens(ids), meta)
-        x = model.embed_tokens(ids)
-        cos, sin = model.rope_cos[pos].to(x.dtype), model.rope_sin[pos].to(x.dtype)
-        for layer, kv in zip(model.layers, kv_mod):
-            x = layer(x, cos, sin, meta, kv)
-        want = model.norm(x)
+        want = module_path(model, ids, pos, meta, kv_mod)
     assert torch.equal(got, want)
     for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -115,11 +121,7 @@ def test_stack_with_quantised_layers_equals_modules_bit_for_bit(kind):
     with torch.inference_mode():
         got = model(ids, pos, meta, kv_stack)
         assert model._stack[1] is not None
-        x = model.embed_tokens(ids)
-        cos, sin = model.rope_cos[pos].to(x.dtype), model.rope_sin[pos].to(x.dtype)
-        for layer, kv in zip(model.layers, kv_mod):
-            x = layer(x, cos, sin, meta, kv)
-        want = model.norm(x)
+        want = module_path(model, ids, pos, meta, kv_mod)
     assert torch.equal(got, want)
 
 
