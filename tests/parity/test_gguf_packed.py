@@ -89,3 +89,19 @@ def test_the_default_model_packed_equals_its_dequantised_layers(engine, model_pa
     diff = (engine.score(ids) - plain.score(ids)).abs().max().item()
     print(f"packed against dequantised: max abs logit difference {diff:.2e}")
     assert diff < 1e-4
+
+
+def test_the_default_model_holds_its_layers_packed(engine):
+    """The process keeps the file's codes, not a dequantised copy: every linear layer and the tied head are
+    QuantLinear (0.625 bytes a weight for Q4_1, 1.0625 for the Q8_0 head), and the only dense tensors left are the
+    embedding (for lookups) and the norms."""
+    model = engine.runner.model
+    cfg = engine.model_cfg
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 4 * cfg.num_layers + 1 and isinstance(model.lm_head, QuantLinear)
+    weights = sum(m.in_features * m.out_features for m in linears)
+    packed = sum(m.packed_nbytes for m in linears)
+    head = cfg.vocab_size * cfg.hidden_size
+    assert packed == int((weights - head) * 0.625 + head * 1.0625)
+    dense = {n: p.numel() for n, p in model.named_parameters()}
+    assert sum(dense.values()) == head + cfg.hidden_size * (2 * cfg.num_layers + 1)   # embedding and norms
