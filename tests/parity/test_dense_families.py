@@ -336,3 +336,39 @@ def test_nvfp4_checkpoints_of_the_families_match_the_dequantised_reference(tmp_p
     assert isinstance(layer.self_attn.qkv_proj, NVFP4Linear) and isinstance(layer.mlp.gate_up_proj, NVFP4Linear)
     ref = _dequantised_reference(src, result.layer_precisions)
     assert_matches(eng, ref, 16)
+
+
+@pytest.mark.parametrize("family", list(GGUF_MAKERS))
+def test_quantised_gguf_files_are_served_packed(tmp_path, family):
+    """The same files with their linear layers in Q4_0 / Q4_1 / Q8_0 (as llama.cpp's quantiser writes them), served
+    with the layers packed (shared/quant/gguf_packing.py: biases, fused q/k/v of three types, Phi-3's fused
+    tensors, tied heads), against transformers running the file's dequantised weights in fp32."""
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    from shared.ops import qgemm
+    from shared.quant.quant_linear import QuantLinear
+    if not qgemm.available():
+        pytest.skip("needs the quantised kernel (AVX512-BF16)")
+    torch.manual_seed(0)
+    ref = GGUF_MAKERS[family]().eval()
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(8)
+    kinds = {"q_proj": T.Q4_0, "k_proj": T.Q4_1, "v_proj": T.Q8_0, "o_proj": T.Q4_1, "gate_proj": T.Q4_0,
+             "up_proj": T.Q4_1, "down_proj": T.Q8_0, "qkv_proj": T.Q4_1, "gate_up_proj": T.Q4_0}
+    shapes = {n: m.weight.shape for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear)}
+
+    def quant(name: str):                                   # a linear's name -> its type (K a multiple of 32)
+        kind = kinds.get(name.rsplit(".", 1)[-1])
+        return kind if kind is not None and name in shapes and shapes[name][1] % 32 == 0 else None
+
+    path = tmp_path / f"{family}-q.gguf"
+    write_gguf(ref, GGUF_ARCH.get(family, family), path, quant=quant)
+    with torch.no_grad():                                   # what the file holds, as transformers runs it
+        for name, p in ref.named_parameters():
+            kind = quant(name.removesuffix(".weight")) if name.endswith(".weight") and p.ndim == 2 else None
+            if kind is not None:
+                p.copy_(torch.from_numpy(dequantize(quantize(p.detach().numpy(), kind), kind)).view_as(p))
+    eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64, block_size=16))
+    assert any(isinstance(m, QuantLinear) for m in eng.runner.model.modules())
+    assert_matches(eng, ref, 24)
