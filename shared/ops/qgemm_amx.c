@@ -22,18 +22,39 @@ int upesi_qgemm_amx_setup(void) {
     return amx_request();
 }
 
-// Tiles 0-1: the block sums of the two panels [rows, 16] fp32; 2: x's block [rows, 2 BKK] bf16; 3-4: the panels'
-// expanded codes [BKK, 32] bf16.
+// Blocks go in pairs. Tiles 0-1 / 5-6: the sums of a pair's first / second block for the two panels [rows, 16]
+// fp32; 2 / 7: x's features of those blocks [rows, 2 BKK] bf16; 3-4: a block's expanded codes, one panel each
+// [BKK, 32] bf16, loaded for the first block and then the second.
 static void configure(int rows, int bkk) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)rows;
-    c.colsb[0] = c.colsb[1] = 64;
-    c.colsb[2] = (uint16_t)(4 * bkk);
-    c.rows[3] = c.rows[4] = (uint8_t)bkk;
-    c.colsb[3] = c.colsb[4] = 64;
+    for (int t = 0; t < 8; t++) {
+        int codes = t == 3 || t == 4, xs = t == 2 || t == 7;
+        c.rows[t] = (uint8_t)(codes ? bkk : rows);
+        c.colsb[t] = (uint16_t)(xs ? 4 * bkk : 64);
+    }
     _tile_loadconfig(&c);
+}
+
+// A pair's sums (acc [4][rows][16]: first block's two panels, then the second's) into the rows' totals:
+// tot += sc * sums + mn' * sx per block, mn' = mn - shift * sc.
+static inline void scale_pair(const float (*acc)[16 * 16], int two, const __m512 *sc, const __m512 *mn,
+                              const float *sx, int64_t nb, float *tot, int64_t r0, int64_t valid) {
+    for (int64_t r = 0; r < valid; r++) {
+        const float *s = sx + (r0 + r) * nb;
+        __m512 s0 = _mm512_set1_ps(s[0]), s1 = two ? _mm512_set1_ps(s[1]) : _mm512_setzero_ps();
+        for (int p = 0; p < 2; p++) {
+            float *t = tot + UNIT * (r0 + r) + 16 * p;
+            __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(acc[p] + 16 * r), sc[p], _mm512_loadu_ps(t));
+            v = _mm512_fmadd_ps(mn[p], s0, v);
+            if (two) {
+                v = _mm512_fmadd_ps(_mm512_loadu_ps(acc[2 + p] + 16 * r), sc[2 + p], v);
+                v = _mm512_fmadd_ps(mn[2 + p], s1, v);
+            }
+            _mm512_storeu_ps(t, v);
+        }
+    }
 }
 
 static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, const uint16_t *bias, int64_t n,
@@ -52,41 +73,49 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
     __m512 shift = _mm512_set1_ps(q.shift);
     #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
     {
-        __m512bh bufs[2][32];                              // alternating: a block's expansion never waits on the
-        float acc[2][16 * 16];                             // tile loads of the one before
+        __m512bh bufs[2][32];                              // the pair's expanded codes
+        float acc[4][16 * 16];
         float *tot = aligned_alloc(64, sizeof(float) * UNIT * (size_t)m);
         configure(rows, q.bkk);
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             memset(tot, 0, sizeof(float) * UNIT * (size_t)m);
             const uint8_t *rec = q.data + u * q.nb * q.record;
-            for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
-                __m512 sc[2], mn[2];
-                __m512bh *buf = bufs[b & 1];
-                expand(rec, q.kind, q.bkk, q.table, q.high, buf);
-                block_scales(&q, rec, sc, mn);
-                // tot += sc * (sums - shift * sx) + mn * sx  ==  sc * sums + (mn - shift * sc) * sx
-                mn[0] = _mm512_fnmadd_ps(shift, sc[0], mn[0]);
-                mn[1] = _mm512_fnmadd_ps(shift, sc[1], mn[1]);
-                _tile_loadd(3, (const void *)buf, 128);
-                _tile_loadd(4, (const void *)(buf + 1), 128);
+            for (int64_t b = 0; b < q.nb; b += 2) {
+                int two = b + 1 < q.nb;
+                __m512 sc[4], mn[4];
+                for (int i = 0; i < 1 + two; i++, rec += q.record) {
+                    expand(rec, q.kind, q.bkk, q.table, q.high, bufs[i]);
+                    block_scales(&q, rec, sc + 2 * i, mn + 2 * i);
+                    for (int p = 0; p < 2; p++)                    // mn' = mn - shift * sc
+                        mn[2 * i + p] = _mm512_fnmadd_ps(shift, sc[2 * i + p], mn[2 * i + p]);
+                }
                 for (int64_t g = 0; g < groups; g++) {
+                    const uint16_t *xg = x + g * 16 * ldx + b * bf;
                     _tile_zero(0);
                     _tile_zero(1);
-                    _tile_loadd(2, (const void *)(x + g * 16 * ldx + b * bf), ldx * 2);
+                    _tile_loadd(2, (const void *)xg, ldx * 2);
+                    _tile_loadd(3, (const void *)bufs[0], 128);
+                    _tile_loadd(4, (const void *)(bufs[0] + 1), 128);
                     _tile_dpbf16ps(0, 2, 3);
                     _tile_dpbf16ps(1, 2, 4);
+                    if (two) {
+                        _tile_zero(5);
+                        _tile_zero(6);
+                        _tile_loadd(7, (const void *)(xg + bf), ldx * 2);
+                        _tile_loadd(3, (const void *)bufs[1], 128);
+                        _tile_loadd(4, (const void *)(bufs[1] + 1), 128);
+                        _tile_dpbf16ps(5, 7, 3);
+                        _tile_dpbf16ps(6, 7, 4);
+                    }
                     _tile_stored(0, acc[0], 64);
                     _tile_stored(1, acc[1], 64);
-                    int64_t r0 = g * 16, valid = m - r0 < 16 ? m - r0 : 16;
-                    for (int64_t r = 0; r < valid; r++) {
-                        __m512 s = _mm512_set1_ps(sx[(r0 + r) * q.nb + b]);
-                        float *t = tot + UNIT * (r0 + r);
-                        _mm512_storeu_ps(t, _mm512_fmadd_ps(mn[0], s, _mm512_fmadd_ps(
-                            _mm512_loadu_ps(acc[0] + 16 * r), sc[0], _mm512_loadu_ps(t))));
-                        _mm512_storeu_ps(t + 16, _mm512_fmadd_ps(mn[1], s, _mm512_fmadd_ps(
-                            _mm512_loadu_ps(acc[1] + 16 * r), sc[1], _mm512_loadu_ps(t + 16))));
+                    if (two) {
+                        _tile_stored(5, acc[2], 64);
+                        _tile_stored(6, acc[3], 64);
                     }
+                    int64_t r0 = g * 16, valid = m - r0 < 16 ? m - r0 : 16;
+                    scale_pair((const float (*)[16 * 16])acc, two, sc, mn, sx + b, q.nb, tot, r0, valid);
                 }
             }
             store_unit(tot, m, bias, n, u * UNIT, y, ldy, out_f32);
