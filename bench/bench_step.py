@@ -9,7 +9,7 @@ parts add up to slightly more than an untimed step, printed beside them. Through
 is `upesi_engine_step_seconds` on the target's /metrics; bench/bench_peers.py gives the tokens/s the client sees.
 
     .venv/bin/python bench/bench_step.py [--batch 1 4 32] [--dtype auto] [--steps 50] [--threads 2]
-        [--speculative eagle:models/eagle-smollm2-135m --tree-nodes 8]
+        [--speculative eagle:models/eagle-smollm2-135m --tree-nodes 8] [--dequantise-gguf]
 
 Prints a table (ms per step) and one JSON line. Figures, not assertions.
 """
@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: what the services serve on this CPU")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dequantise-gguf", action="store_true", help="the GGUF's layers dequantised at load (bf16 "
+                                                                    "weights) instead of packed")
     ap.add_argument("--speculative", default=None, help="a proposer inside the engine, e.g. "
                     "eagle:models/eagle-smollm2-135m (steps then verify its drafts)")
     ap.add_argument("--k", type=int, default=4, help="K with --speculative")
@@ -108,7 +110,8 @@ def main() -> None:
     from shared.spec.factory import build_engine
     dtype = serving_dtype(a.dtype, torch.device("cpu"))
     eng = build_engine(EngineConfig(progress=False, dtype=dtype, num_threads=a.threads, speculative=a.speculative,
-                                 num_speculative_tokens=a.k, draft_tree_nodes=a.tree_nodes))
+                                    num_speculative_tokens=a.k, draft_tree_nodes=a.tree_nodes,
+                                    dequantise_gguf=a.dequantise_gguf))
     out = {}
     plains = {b: run(eng, b, a.steps, None) for b in a.batch}       # untimed first, then with the clocks on
     parts = timed_parts(eng)
