@@ -274,7 +274,14 @@ def gguf_quant_types(path: str, cfg: ModelConfig) -> dict[str, Any]:
         parts = t.name.split(".")
         if len(t.shape) == 2 and (parts[0] in names or (parts[0] == "blk" and parts[2] in names)):
             out[_hf_name(parts, names)] = t.tensor_type
+        elif len(t.shape) == 3 and parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:      # [E, out, in] stacks
+            out.update({name: t.tensor_type for name in _expert_names(parts, t.shape[-1])})
     return out
+
+
+def _expert_names(parts: list[str], count: int) -> list[str]:
+    """An MoE layer's stacked expert tensor (blk.L.ffn_up_exps.weight) -> each expert's Hugging Face name."""
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERTS[parts[2]]}.weight" for e in range(count)]
 
 
 def _gguf_weights(path: str, cfg: ModelConfig, progress: bool, keep: Callable[[str], bool] | None = None,
@@ -292,9 +299,13 @@ def _gguf_weights(path: str, cfg: ModelConfig, progress: bool, keep: Callable[[s
             if parts[0] in ("rope_freqs", "rope_factors_long", "rope_factors_short"):   # read into the config's
                 continue                                                               # RoPE scaling
             if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
-                experts = [f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERTS[parts[2]]}.weight"
-                           for e in range(t.shape[-1])]
+                experts = _expert_names(parts, t.shape[-1])
                 if keep is not None and not any(map(keep, experts)):
+                    continue
+                if raw is not None and t.tensor_type in PACKED_TYPES and all(map(raw, experts)):
+                    for e, name in enumerate(experts):                  # each expert's rows of blocks, as stored
+                        if keep is None or keep(name):
+                            yield name, GGUFRaw(t.data[e], t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
                     continue
                 stacked = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)     # [E, out, in]
                 for e, name in enumerate(experts):

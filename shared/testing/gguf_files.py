@@ -29,7 +29,8 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
                extra_tensors: dict[str, np.ndarray] | None = None,
                quant: Callable[[str], Any] | None = None) -> None:
     """Writes `model` as a GGUF file; `quant` maps a 2-D weight's Hugging Face module name (model.layers.0.mlp.
-    up_proj) to the GGML type it is stored in (quantised with gguf's own Q4_0 / Q4_1 / Q8_0), or None for fp32."""
+    up_proj; an expert stack's model.layers.0.mlp.experts.up_proj) to the GGML type it is stored in (quantised
+    with gguf's own Q4_0 / Q4_1 / Q8_0), or None for fp32."""
     import gguf
     c = model.config
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.num_hidden_layers)
@@ -68,7 +69,12 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
             layer = base.split(".")[2]
             parts = t.chunk(2, dim=1) if kind == "gate_up_proj" else (t,)
             for proj, part in zip(("gate_proj", "up_proj") if kind == "gate_up_proj" else (kind,), parts):
-                w.add_tensor(f"blk.{layer}.{_STACKED[proj]}.weight", part.float().contiguous().numpy())
+                qt = quant(f"{base}.{proj}") if quant is not None else None
+                data = part.float().contiguous().numpy()
+                if qt is not None:
+                    w.add_tensor(f"blk.{layer}.{_STACKED[proj]}.weight", gguf.quants.quantize(data, qt), raw_dtype=qt)
+                    continue
+                w.add_tensor(f"blk.{layer}.{_STACKED[proj]}.weight", data)
             continue
         if names.get_name(base) is None:    # a tied lm_head (Gemma): the file has the embedding only
             assert c.tie_word_embeddings, f"{base} has no GGUF name"

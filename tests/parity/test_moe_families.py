@@ -96,3 +96,33 @@ def test_an_olmoe_nvfp4_checkpoint_matches_the_dequantised_reference(tmp_path):
     assert diff < 1e-4
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 16)
+
+
+def test_a_quantised_olmoe_gguf_keeps_its_experts_packed(tmp_path):
+    """OLMoE's stacked expert tensors in Q4_0 (gate and up; down's 16 inputs are under a block): each expert's
+    rows of blocks go straight into its own packed layer (shared/quant/gguf_packing.py), against transformers
+    running the file's dequantised experts."""
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    from shared.ops import qgemm
+    from shared.quant.quant_linear import QuantLinear
+    if not qgemm.available():
+        pytest.skip("needs the quantised kernel (AVX512-BF16)")
+    ref = save_tiny(tmp_path / "hf", "olmoe")
+    path = tmp_path / "olmoe-q.gguf"
+    write_gguf(ref, "olmoe", path, quant=lambda name: T.Q4_0 if name.endswith(("experts.gate_proj",
+                                                                             "experts.up_proj")) else None)
+    with torch.no_grad():                                   # [E, 2I, D]: gate rows then up rows, each quantised
+        for layer in ref.model.layers:
+            stack = layer.mlp.experts.gate_up_proj
+            parts = [torch.from_numpy(dequantize(quantize(p.contiguous().numpy(), T.Q4_0), T.Q4_0)).view_as(p)
+                     for p in stack.chunk(2, dim=1)]
+            stack.copy_(torch.cat(parts, dim=1))
+    eng = _engine(path)
+    experts = eng.runner.model.layers[0].mlp.experts
+    assert all(isinstance(e.gate_up_proj, QuantLinear) for e in experts)
+    assert not isinstance(experts[0].down_proj, QuantLinear)
+    assert _logits_diff(ref, eng)[1] < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, 16)
