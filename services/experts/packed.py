@@ -1,7 +1,8 @@
 """A shard's FFN linears from checkpoint tensors in any precision a quantised checkpoint mixes: NVFP4 (the
 compressed-tensors leaves weight_packed / weight_scale / weight_global_scale [/ input_global_scale]), FP8 E4M3 per
-row (weight fp8 + weight_scale) or float (weight). Quantised linears stay packed in memory, as the target's own
-NVFP4Linear / FP8Linear (the same modules, hence the same numerics: W4A16, or W4A4 with act_quant).
+row (weight fp8 + weight_scale), a GGUF quant type's codes and scales (a BlockQuant as `weight`, where the kernel of
+shared.ops.qgemm runs) or float (weight). Quantised linears stay packed in memory, as the target's own
+NVFP4Linear / FP8Linear / QuantLinear (the same modules, hence the same numerics: W4A16, or W4A4 with act_quant).
 
 Dense FFNs are cut by intermediate neurons (shared.model.placement.dense_slice): gate / up keep rows [lo, hi), down
 keeps columns [lo, hi). NVFP4 packs two values per byte and scales blocks of 16 along K, so a down slice of an NVFP4
@@ -14,20 +15,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shared.ops.qgemm import BlockQuant
 from shared.quant.checkpoint import load_compressed_tensors
 from shared.quant.nvfp4 import BLOCK_SIZE
 from shared.quant.nvfp4_module import FP8_DTYPE, FP8Linear, NVFP4Linear
+from shared.quant.quant_linear import QuantLinear
 
 LEAVES = ("weight", "bias", "weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
-Leaves = dict[str, torch.Tensor]          # one checkpoint layer's tensors, by leaf name
+Leaves = dict[str, torch.Tensor | BlockQuant]    # one checkpoint layer's tensors, by leaf name
 
 
 def is_quantised(leaves: Leaves) -> bool:
-    return "weight_packed" in leaves or ("weight" in leaves and leaves["weight"].dtype == FP8_DTYPE)
+    w = leaves.get("weight")
+    return "weight_packed" in leaves or isinstance(w, BlockQuant) or (w is not None and w.dtype == FP8_DTYPE)
 
 
-def ffn_width(part: str, leaf: str, t: torch.Tensor) -> int:
+def ffn_width(part: str, leaf: str, t: torch.Tensor | BlockQuant) -> int:
     """The FFN width I that a dense layer's leaf spans (meaningful for the leaves that get sliced)."""
+    if isinstance(t, BlockQuant):
+        return t.shape[0] if part != "down" else t.shape[1]
     if part != "down":
         return t.shape[0]                                                   # gate / up: rows
     if leaf == "weight_packed":
@@ -37,13 +43,22 @@ def ffn_width(part: str, leaf: str, t: torch.Tensor) -> int:
     return t.shape[-1]
 
 
-def slice_rows(leaf: str, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Rows [lo, hi) of a gate / up layer's leaf: every per-row tensor is cut, per-tensor scales kept."""
-    return t if leaf in ("weight_global_scale", "input_global_scale") else t[lo:hi]
+def slice_rows(leaf: str, t: torch.Tensor | BlockQuant, lo: int, hi: int) -> torch.Tensor | BlockQuant:
+    """Rows [lo, hi) of a gate / up layer's leaf (a copy): every per-row tensor is cut, per-tensor scales kept."""
+    if isinstance(t, BlockQuant):
+        return t.rows(lo, hi)
+    return t.clone() if leaf in ("weight_global_scale", "input_global_scale") else t[lo:hi].clone()
 
 
-def slice_columns(leaf: str, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Input features [lo, hi) of a down layer's leaf (its bias is not sliced; the caller keeps it on slice 0)."""
+def slice_columns(leaf: str, t: torch.Tensor | BlockQuant, lo: int, hi: int) -> torch.Tensor | BlockQuant:
+    """Input features [lo, hi) of a down layer's leaf, a copy (its bias is not sliced; the caller keeps it on
+    slice 0)."""
+    if isinstance(t, BlockQuant):
+        return t.columns(lo, hi)
+    return _columns(leaf, t, lo, hi).clone()
+
+
+def _columns(leaf: str, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     if leaf == "weight":
         return t[:, lo:hi]                                                  # float or fp8 [D, i]
     if leaf == "weight_packed" or (leaf == "weight_scale" and t.dtype != torch.float32):
@@ -58,10 +73,16 @@ def slice_columns(leaf: str, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 def fused_linear(parts: list[Leaves], act_quant: bool, name: str) -> torch.Tensor | nn.Module:
     """Checkpoint layers stacked along N (gate then up, or down alone) -> a float weight [N, K] or a packed module.
     The layers of one fused unit share their precision (`upesi quantize` promotes them together)."""
-    kinds = {"nvfp4" if "weight_packed" in p else "fp8" if is_quantised(p) else "float" for p in parts}
+    kinds = {"nvfp4" if "weight_packed" in p else "gguf" if isinstance(p.get("weight"), BlockQuant)
+             else "fp8" if is_quantised(p) else "float" for p in parts}
     if len(kinds) > 1:
         raise ValueError(f"{name}: fused layers in different precisions {sorted(kinds)}")
     kind = kinds.pop()
+    if kind == "gguf":
+        module = QuantLinear(parts[0]["weight"].shape[1], [p["weight"].shape[0] for p in parts])
+        for i, p in enumerate(parts):
+            module.load_segment(i, p["weight"], name)
+        return module
     if kind == "float":
         return torch.cat([p["weight"] for p in parts])                      # [N, K]
     if kind == "fp8":

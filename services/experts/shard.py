@@ -4,7 +4,7 @@ Stateless between calls: a Dispatch carries every slot it needs. Units are route
 (`layers.L.mlp.experts.E.*`, Mixtral's `block_sparse_moe.experts.E.w1/w2/w3`) or slices of dense FFNs
 (`layers.L.mlp.{gate,up,down}_proj`, sliced by intermediate neurons, see shared.model.placement). Shared experts stay
 on the target. Quantised checkpoints (compressed-tensors NVFP4 / FP8, as `upesi quantize` writes them, with any mix
-of precisions per layer) stay packed: see services.experts.packed.
+of precisions per layer; a GGUF file's quant types) stay packed: see services.experts.packed.
 
 Shapes: U = token rows in a call, S = slots, D = hidden, i = a unit's intermediate width.
 """
@@ -27,7 +27,10 @@ from shared.model.config import ModelConfig
 from shared.model.loader import iter_weights, load_config
 from shared.model.placement import Placement, Unit, dense_slice, num_routed_experts
 from shared.model_files import resolve_model_path
+from shared.ops import qgemm
 from shared.ops.packed_linear import PackedLinear, packable
+from shared.ops.qgemm import BlockQuant
+from shared.quant.gguf_blocks import GGUFRaw
 
 log = logging.getLogger("upesi.experts")
 
@@ -101,8 +104,13 @@ def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], b
             return any(wanted(int(m[1]), s, True) for s in range(num_slices))
         return False
 
-    parts: dict[Unit, dict[str, torch.Tensor]] = defaultdict(dict)
-    for name, w in iter_weights(path, cfg, progress, keep=keep):
+    def raw(name: str) -> bool:                  # a GGUF quant type's FFN weights stay packed where the kernel runs
+        return qgemm.available() and name.endswith(".weight")
+
+    parts: dict[Unit, dict[str, torch.Tensor | BlockQuant]] = defaultdict(dict)
+    for name, w in iter_weights(path, cfg, progress, keep=keep, raw=raw):
+        if isinstance(w, GGUFRaw):
+            w = w.block_quant()
         if (m := _EXPERT.fullmatch(name) or _DENSE.fullmatch(name)) and int(m[1]) >= cfg.num_layers:
             continue                                                        # past the decoder (DeepSeek-V3's MTP)
         if m := _EXPERT.fullmatch(name):
@@ -121,7 +129,7 @@ def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], b
                     piece = packed.slice_columns(kind, w, lo, hi)               # [D, i] (a bias whole)
                 else:
                     piece = packed.slice_rows(kind, w, lo, hi)                  # [i, D] or [i]
-                parts[(layer, s)][f"{part}.{kind}"] = piece.clone()             # let the whole tensor go
+                parts[(layer, s)][f"{part}.{kind}"] = piece                     # a copy: the whole one goes
     units = {}
     for unit, p in parts.items():
         leaves = {part: {k.split(".", 1)[1]: v for k, v in p.items() if k.startswith(part + ".") and k != "down.bias"}

@@ -80,6 +80,21 @@ class BlockQuant:
             w = w + self.mins.unsqueeze(-1)
         return w.view(n, k)
 
+    def rows(self, lo: int, hi: int) -> BlockQuant:
+        """Output rows [lo, hi) (a slice of gate / up), copied."""
+        cut = (lambda t: None if t is None else t[lo:hi].clone())
+        return BlockQuant(cut(self.codes), cut(self.scales), cut(self.mins), self.block, self.bits, self.lut,
+                          self.scale_f16)
+
+    def columns(self, lo: int, hi: int) -> BlockQuant:
+        """Input features [lo, hi) (a slice of down), copied; lo and hi must fall on blocks."""
+        if lo % self.block or hi % self.block:
+            raise QuantFormatError(f"a weight in blocks of {self.block} can only be split on blocks, not [{lo}, "
+                                   f"{hi}); use a shard count that divides the FFN width in multiples of it")
+        cut = (lambda t: None if t is None else t[:, lo // self.block:hi // self.block].clone())
+        return BlockQuant(self.codes[:, lo:hi].clone(), cut(self.scales), cut(self.mins), self.block, self.bits,
+                          self.lut, self.scale_f16)
+
     def with_block(self, block: int) -> BlockQuant:
         """The same weight with blocks of `block` (a divisor of this one's): scales repeated."""
         if block == self.block:
