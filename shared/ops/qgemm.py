@@ -355,13 +355,16 @@ def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.
 
 
 def linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) -> [..., N]: the kernel for bf16 / fp32 CPU rows, else F.linear on a dequantised
-    copy (autograd, other dtypes and devices)."""
-    if (x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or not available()
+    """x [..., K] @ W^T (+ bias) -> [..., N]: the kernel for CPU rows (bf16; fp32; fp16 through the fp32 path),
+    else F.linear on a dequantised copy (autograd, other devices)."""
+    if (x.device.type != "cpu" or not x.dtype.is_floating_point or not available()
             or (torch.is_grad_enabled() and x.requires_grad)):
         return F.linear(x, w.dequantise().to(device=x.device, dtype=x.dtype), bias)
     lead = x.shape[:-1]
-    return run(x.reshape(-1, w.in_features), w, bias).view(*lead, w.out_features)
+    rows = x.reshape(-1, w.in_features)
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        return run(rows.float(), w, None if bias is None else bias.float()).to(x.dtype).view(*lead, w.out_features)
+    return run(rows, w, bias).view(*lead, w.out_features)
 
 
 def example(kind: str, n: int, k: int, block: int, g: torch.Generator, has_min: bool = True) -> BlockQuant:

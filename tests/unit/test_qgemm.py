@@ -111,6 +111,15 @@ def test_fused_segments_widen_to_a_common_form() -> None:
     torch.testing.assert_close(got, x @ want.t(), rtol=1e-5, atol=1e-4)
 
 
+def test_fp16_rows_take_the_fp32_path() -> None:
+    g = torch.Generator().manual_seed(2)
+    bq = qgemm.example("u4", 40, 64, 32, g)
+    x = torch.randn(3, 64, generator=g).half()
+    got = qgemm.linear(x, QWeight(bq), torch.ones(40).half())
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, (x.float() @ bq.dequantise().t() + 1).half())
+
+
 def test_linear_falls_back_to_the_dequantised_weight_for_autograd() -> None:
     g = torch.Generator().manual_seed(1)
     bq = qgemm.example("u4", 32, 64, 32, g)
