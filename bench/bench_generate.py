@@ -27,12 +27,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-PROMPTS = [
-    "Write a short story about a robot learning to paint.",
-    "Explain how a hash table works.",
-    "List five tips for staying healthy.",
-    "What is photosynthesis?",
-]
+from bench.workloads import CHAT as PROMPTS  # noqa: E402
 
 
 def free_port() -> int:

@@ -49,7 +49,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from bench.bench_generate import PROMPTS, free_port  # noqa: E402
+from bench.bench_generate import free_port  # noqa: E402
+from bench.workloads import WORKLOADS  # noqa: E402
+
+PROMPTS = list(WORKLOADS["chat"])          # the workload's prompts (--workload)
 
 
 def make_run_args() -> list[str]:
@@ -338,12 +341,16 @@ def main() -> None:
     ap.add_argument("--vllm-preload", nargs="*", default=[], help="libraries to LD_PRELOAD into vLLM (tcmalloc)")
     ap.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
     ap.add_argument("--skip-spec", action="store_true", help="only plain requests through the stack")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="chat",
+                    help="chat: four short questions; grounded: four edits of a given ~300-token text, whose "
+                         "answers copy the prompt (bench/workloads.py)")
     ap.add_argument("--weights", nargs="*", default=[], help="stacks beside the default one, plain requests: bf16 "
                     "(the GGUF dequantised at load) and/or nvfp4:DIR (an NVFP4 checkpoint)")
     ap.add_argument("--llamacpp-python", default=None, help="python of a llama-cpp-python install (measures "
                                                             "llama.cpp beside, single stream)")
     ap.add_argument("--llamacpp-model", default=None, help="GGUF file for llama.cpp (default: the default model)")
     a = ap.parse_args()
+    PROMPTS[:] = WORKLOADS[a.workload]
     if a.vllm_python and not a.vllm_model:
         ap.error("--vllm-python needs --vllm-model (a Hugging Face folder of the same weights)")
 
@@ -376,7 +383,8 @@ def main() -> None:
     bw = read_bandwidth_gbs(a.threads)
     bound = bw * 1e9 / weight_bytes(dtype, packed=True)
 
-    print(f"\n{cpu_name()}; dtype {dtype}; {a.tokens} greedy tokens (EOS ignored); `upesi serve {' '.join(serve)}`")
+    print(f"\n{cpu_name()}; dtype {dtype}; {a.workload} prompts; {a.tokens} greedy tokens (EOS ignored); "
+          f"`upesi serve {' '.join(serve)}`")
     print(f"read bandwidth {bw:.1f} GB/s -> single-stream plain bound {bound:.1f} tok/s "
           f"({weight_bytes(dtype, packed=True) / 1e6:.0f} MB of weights per step, packed; "
           f"{weight_bytes(dtype) / 1e6:.0f} MB in {dtype})")
@@ -403,7 +411,8 @@ def main() -> None:
     if "llama.cpp" in results and "upesi plain" in results:
         print(f"upesi plain / llama.cpp, single stream: "
               f"{results['upesi plain']['single']['tok_s'] / results['llama.cpp']['single']['tok_s']:.2f}x")
-    print(json.dumps({"cpu": cpu_name(), "dtype": dtype, "tokens": a.tokens, "serve_args": serve,
+    print(json.dumps({"cpu": cpu_name(), "dtype": dtype, "workload": a.workload, "tokens": a.tokens,
+                      "serve_args": serve,
                       "read_bandwidth_gbs": bw, "bound_tok_s": bound, "results": results}))
 
 
