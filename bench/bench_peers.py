@@ -140,8 +140,9 @@ class ServeStack:
     async def one(self, prompt: str, tokens: int, k: int | None) -> tuple[int, float]:
         """One streamed request -> (completion tokens, seconds to the first token)."""
         from upesi.v1 import generation_pb2 as pb
+        # each side its own cache partition: alternating sides must not find each other's prompts cached
         req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=prompt)], max_tokens=tokens,
-                                 temperature=0, ignore_eos=True)
+                                 temperature=0, ignore_eos=True, cache_salt=f"bench-k{k}")
         if k is not None:
             req.num_speculative_tokens = k
         t0, ttft, n = time.perf_counter(), None, 0
