@@ -39,18 +39,21 @@ static void configure(int rows, int bkk) {
 
 // A pair's sums (acc [4][rows][16]: first block's two panels, then the second's) into the rows' totals:
 // tot += sc * sums + mn' * sx per block, mn' = mn - shift * sc.
-static inline void scale_pair(const float (*acc)[16 * 16], int two, const __m512 *sc, const __m512 *mn,
-                              const float *sx, int64_t nb, float *tot, int64_t r0, int64_t valid) {
+// with_min = 0 (no mins and no shift: NVFP4) skips the min terms, which are then zero.
+static inline void scale_pair(const float (*acc)[16 * 16], int two, int with_min, const __m512 *sc,
+                              const __m512 *mn, const float *sx, int64_t nb, float *tot, int64_t r0, int64_t valid) {
     for (int64_t r = 0; r < valid; r++) {
         const float *s = sx + (r0 + r) * nb;
         __m512 s0 = _mm512_set1_ps(s[0]), s1 = two ? _mm512_set1_ps(s[1]) : _mm512_setzero_ps();
         for (int p = 0; p < 2; p++) {
             float *t = tot + UNIT * (r0 + r) + 16 * p;
             __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(acc[p] + 16 * r), sc[p], _mm512_loadu_ps(t));
-            v = _mm512_fmadd_ps(mn[p], s0, v);
+            if (with_min)
+                v = _mm512_fmadd_ps(mn[p], s0, v);
             if (two) {
                 v = _mm512_fmadd_ps(_mm512_loadu_ps(acc[2 + p] + 16 * r), sc[2 + p], v);
-                v = _mm512_fmadd_ps(mn[2 + p], s1, v);
+                if (with_min)
+                    v = _mm512_fmadd_ps(mn[2 + p], s1, v);
             }
             _mm512_storeu_ps(t, v);
         }
@@ -71,6 +74,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
     }
     float *sx = block_sums(x, m, ldx, q.nb, bf);
     __m512 shift = _mm512_set1_ps(q.shift);
+    int with_min = q.has_min || q.shift != 0.f;
     #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
     {
         __m512bh bufs[2][32];                              // the pair's expanded codes
@@ -115,7 +119,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
                         _tile_stored(6, acc[3], 64);
                     }
                     int64_t r0 = g * 16, valid = m - r0 < 16 ? m - r0 : 16;
-                    scale_pair((const float (*)[16 * 16])acc, two, sc, mn, sx + b, q.nb, tot, r0, valid);
+                    scale_pair((const float (*)[16 * 16])acc, two, with_min, sc, mn, sx + b, q.nb, tot, r0, valid);
                 }
             }
             store_unit(tot, m, bias, n, u * UNIT, y, ldy, out_f32);
