@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.ops.qgemm import BlockQuant
+from shared.ops.block_quant import BlockQuant
 from shared.quant.checkpoint import load_compressed_tensors
 from shared.quant.nvfp4 import BLOCK_SIZE
 from shared.quant.nvfp4_module import FP8_DTYPE, FP8Linear, NVFP4Linear

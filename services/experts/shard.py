@@ -29,7 +29,7 @@ from shared.model.placement import Placement, Unit, dense_slice, num_routed_expe
 from shared.model_files import resolve_model_path
 from shared.ops import qgemm
 from shared.ops.packed_linear import PackedLinear, packable
-from shared.ops.qgemm import BlockQuant
+from shared.ops.block_quant import BlockQuant
 from shared.quant.gguf_blocks import GGUFRaw
 
 log = logging.getLogger("upesi.experts")

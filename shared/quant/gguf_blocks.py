@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from shared.ops.qgemm import BlockQuant
+from shared.ops.block_quant import BlockQuant
 
 PACKED_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 _BLOCK_BYTES = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q5_K: (256, 176),

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.ops import qgemm
-from shared.ops.qgemm import BlockQuant, QWeight
+from shared.ops.block_quant import BlockQuant
+from shared.ops.qgemm import QWeight
 from shared.quant.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, NVFP4ShapeError, NVFP4Weight, e2m1_decode, fake_quantise
 
 FP8_DTYPE = torch.float8_e4m3fn

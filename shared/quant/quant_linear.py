@@ -15,7 +15,8 @@ from torch import nn
 
 from shared.ops import qgemm
 from shared.ops.packed_linear import PackedLinear
-from shared.ops.qgemm import BlockQuant, QWeight
+from shared.ops.block_quant import BlockQuant
+from shared.ops.qgemm import QWeight
 
 
 class QuantLinear(PackedLinear):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from shared.ops import qgemm
-from shared.ops.qgemm import BlockQuant, QWeight
+from shared.ops.block_quant import BlockQuant
+from shared.ops.qgemm import QWeight
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason="needs AVX512-BF16 and a C compiler")
 
