@@ -30,6 +30,7 @@ from shared.ops import c_build
 from shared.ops.block_quant import BlockQuant, QuantFormatError, example
 from shared.ops.cpu_features import cpu_flags
 from shared.ops.qgemm_layout import fits_f16, kernel_form, pack, unpack
+from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS, GEMM_ARGS
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,7 @@ __all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", 
            "split_bf16", "uses_amx"]
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
-AMX_SOURCE = SOURCE.with_name("qgemm_amx.c")
-AMX_FLAGS = FLAGS + ["-mamx-tile", "-mamx-bf16"]
-_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+AMX_SOURCE = SOURCE.with_name("qgemm_amx.c")              # compiled with the bf16 rows kernels' flags
 
 
 @functools.cache
@@ -52,7 +49,7 @@ def _lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     for fn in (lib.upesi_qgemm, lib.upesi_qgemm_f32):
-        fn.argtypes, fn.restype = _ARGS, None
+        fn.argtypes, fn.restype = GEMM_ARGS, None
     return lib
 
 
@@ -65,7 +62,7 @@ def _amx_lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     for fn in (lib.upesi_qgemm_amx, lib.upesi_qgemm_amx_f32):
-        fn.argtypes, fn.restype = _ARGS, None
+        fn.argtypes, fn.restype = GEMM_ARGS, None
     lib.upesi_qgemm_amx_setup.restype = ctypes.c_int
     if lib.upesi_qgemm_amx_setup() != 0:
         log.warning("the kernel refused this process AMX's tile state; quantised layers use AVX512-BF16")

@@ -42,8 +42,9 @@ AMX_SOURCE = SOURCE.with_name("rows_gemm_amx.c")
 AMX_FLAGS = FLAGS + ["-mamx-tile", "-mamx-bf16"]
 PANEL, TILE = 16, 64          # output columns per panel; per tile of 4 panels (N is padded to a multiple)
 MAX_ROWS = 64                 # the fused decoder's limit (a batch of up to 64 decodes)
-_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+# the rows GEMM's call (x, m, ldx, k, weight, bias, n, y, ldy, threads), which shared.ops.qgemm's kernels share
+GEMM_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 
 
 @functools.cache
@@ -53,7 +54,7 @@ def _lib() -> ctypes.CDLL | None:
     lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_ROWS_GEMM", "bf16 rows kernel")
     if lib is None:
         return None
-    lib.upesi_rows_gemm_bf16.argtypes, lib.upesi_rows_gemm_bf16.restype = _ARGS, None
+    lib.upesi_rows_gemm_bf16.argtypes, lib.upesi_rows_gemm_bf16.restype = GEMM_ARGS, None
     return lib
 
 
@@ -66,7 +67,7 @@ def _amx_lib() -> ctypes.CDLL | None:
     lib = c_build.load_or_none(AMX_SOURCE, AMX_FLAGS, "UPESI_ROWS_GEMM", "AMX rows kernel")
     if lib is None:
         return None
-    lib.upesi_rows_gemm_amx.argtypes, lib.upesi_rows_gemm_amx.restype = _ARGS, None
+    lib.upesi_rows_gemm_amx.argtypes, lib.upesi_rows_gemm_amx.restype = GEMM_ARGS, None
     lib.upesi_amx_setup.argtypes, lib.upesi_amx_setup.restype = [ctypes.c_void_p], ctypes.c_int
     if lib.upesi_amx_setup(ctypes.cast(_lib().upesi_rows_gemm_bf16, ctypes.c_void_p)) != 0:
         log.warning("the kernel refused this process AMX's tile state; using AVX512-BF16")
