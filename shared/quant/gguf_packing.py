@@ -12,6 +12,7 @@ dtype): norms, expert stacks, and every layer where the kernel cannot run.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ from shared.ops import qgemm
 from shared.quant.gguf_blocks import PACKED_TYPES, GGUFRaw
 from shared.quant.model_quant import linear_units
 from shared.quant.quant_linear import QuantLinear
+
+log = logging.getLogger(__name__)
 
 Weights = Iterator[tuple[str, Any]]
 
@@ -63,8 +66,12 @@ def pack_gguf_linears(model: nn.Module, types: Mapping[str, Any], tied_head: boo
     GGML types) all stay packed, and with `tied_head` its LM head by the embedding's codes; returns the stream
     filter that loads them (the identity when nothing is packed)."""
     if not qgemm.available():
+        if any(t in PACKED_TYPES for t in types.values()):
+            log.info("the quantised kernel does not run on this CPU (it needs AVX512-BF16): the GGUF's quantised "
+                     "layers are dequantised at load")
         return lambda weights: weights
     targets: dict[str, tuple[QuantLinear, int]] = {}
+    dense_types: set[str] = set()
     keep_dense: frozenset[str] = frozenset()
     head = getattr(model, "lm_head", None)
     if tied_head and isinstance(head, nn.Linear) and types.get(EMBEDDING) in PACKED_TYPES:
@@ -73,6 +80,7 @@ def pack_gguf_linears(model: nn.Module, types: Mapping[str, Any], tied_head: boo
     for unit in linear_units(model):
         names = [f"{n}.weight" for n in unit.hf_names]
         if not all(types.get(n) in PACKED_TYPES for n in names):
+            dense_types.update(getattr(types.get(n), "name", "?") for n in names if types.get(n) not in PACKED_TYPES)
             continue
         device = model.get_submodule(unit.name).weight.device
         module = QuantLinear(unit.in_features, unit.segments, unit.bias, device=device)
@@ -80,4 +88,8 @@ def pack_gguf_linears(model: nn.Module, types: Mapping[str, Any], tied_head: boo
         setattr(model.get_submodule(parent) if parent else model, short, module)
         for i, n in enumerate(names):
             targets[n] = (module, i)
+    quantised = dense_types - {"F32", "F16", "BF16", "F64", "?"}
+    if quantised:                                # a file's types this kernel does not read: say so, not silently
+        log.info("GGUF layers of types %s are dequantised at load (kept packed: %s)", sorted(quantised),
+                 ", ".join(sorted(t.name for t in PACKED_TYPES)))
     return GGUFConsumer(targets, keep_dense) if targets else (lambda weights: weights)

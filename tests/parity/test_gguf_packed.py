@@ -105,3 +105,19 @@ def test_the_default_model_holds_its_layers_packed(engine):
     assert packed == int((weights - head) * 0.625 + head * 1.0625)
     dense = {n: p.numel() for n, p in model.named_parameters()}
     assert sum(dense.values()) == head + cfg.hidden_size * (2 * cfg.num_layers + 1)   # embedding and norms
+
+
+def test_layers_of_other_quant_types_are_dequantised_and_said(tmp_path, caplog):
+    """A type the kernel does not read (Q5_0 here) loads dequantised, the log naming it; the rest stays packed."""
+    import logging
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=128)).eval()
+    path = tmp_path / "mixed.gguf"
+    write_gguf(ref, "llama", path, quant=lambda n: T.Q5_0 if n.endswith("down_proj") else quant_type(n))
+    with caplog.at_level(logging.INFO, logger="shared.quant.gguf_packing"):
+        eng = LLMEngine(EngineConfig(model=str(path), progress=False, num_kv_blocks=64))
+    layer = eng.runner.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and not isinstance(layer.mlp.down_proj, QuantLinear)
+    assert "['Q5_0'] are dequantised at load" in caplog.text
