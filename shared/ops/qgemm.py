@@ -35,7 +35,7 @@ from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS, GEMM_ARGS
 log = logging.getLogger(__name__)
 
 __all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", "kernel_address", "linear", "run",
-           "split_bf16", "uses_amx"]
+           "split_bf16"]
 
 SOURCE = Path(__file__).with_suffix(".c")
 AMX_SOURCE = SOURCE.with_name("qgemm_amx.c")              # compiled with the bf16 rows kernels' flags
@@ -186,10 +186,6 @@ def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
 def available() -> bool:
     """True where a quantised kernel builds, loads and agrees with the reference on this machine."""
     return _kernels() is not None
-
-
-def uses_amx() -> bool:
-    return available() and _amx_lib() is not None and _kernels()[0] is _amx_lib().upesi_qgemm_amx
 
 
 def kernel_address() -> int:
