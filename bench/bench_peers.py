@@ -10,6 +10,8 @@ the two alternating request by request (single) or batch by batch in one stack.
 Beside tokens/s: time to first token, and CPU seconds per generated token (every process of the stack, or of
 the peer, divided by the tokens). The physical bound of single-stream plain decoding, (memory read bandwidth) /
 (weight bytes read per step), is measured on this machine and each single-stream figure given as a fraction of it.
+Single stream, from the target's and the draft's /metrics around each request: tokens per target step, and where a
+step's wall time goes (the target's step, the draft's proposal, and the rest: Verify round trip and delivery).
 
 4-bit weights: the default model is a Q4_1 GGUF whose layers the stack serves as they are stored (packed codes,
 shared/ops/qgemm.c). `--weights` adds stacks beside it, plain requests alternating with the default stack's:
@@ -91,11 +93,12 @@ class ServeStack:
     def __init__(self, args: list[str]) -> None:
         port = lambda: str(free_port())            # noqa: E731
         self.address = f"127.0.0.1:{free_port()}"
+        self.metrics_ports = (free_port(), free_port())        # the target's and the draft's /metrics
         self.log = open(Path(tempfile.gettempdir()) / "upesi-bench-peers-serve.log", "w")
         cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", *args,
                "--address", self.address, "--http-port", port(), "--target-address", f"127.0.0.1:{free_port()}",
-               "--target-metrics-port", "0", "--draft-address", f"127.0.0.1:{free_port()}",
-               "--draft-metrics-port", "0", "--expert-metrics-port", "0"]
+               "--target-metrics-port", str(self.metrics_ports[0]), "--draft-address", f"127.0.0.1:{free_port()}",
+               "--draft-metrics-port", str(self.metrics_ports[1]), "--expert-metrics-port", "0"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, UPESI_PROGRESS="false"))
         deadline = time.monotonic() + 900
@@ -153,15 +156,34 @@ class ServeStack:
             n += got
         return n, ttft or 0.0
 
+    def counters(self) -> dict[str, float]:
+        """The step counters of the target's and the draft's /metrics (a family's series summed)."""
+        import urllib.request
+        out = dict.fromkeys(STEP_COUNTERS, 0.0)
+        for port in self.metrics_ports:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            except OSError:
+                continue                                     # no draft service in this stack
+            for line in text.splitlines():
+                name = line.split("{")[0].split(" ")[0]
+                if name in out:
+                    out[name] += float(line.rsplit(" ", 1)[1])
+        return out
+
     def run(self, prompts: list[str], tokens: int, k: int | None) -> dict[str, float]:
         async def every() -> list[tuple[int, float]]:
             return await asyncio.gather(*(self.one(p, tokens, k) for p in prompts))
 
+        before = self.counters() if len(prompts) == 1 else None
         c, t = self.cpu_s(), time.perf_counter()
         outs = self.loop.run_until_complete(every())
         wall, cpu = time.perf_counter() - t, self.cpu_s() - c
         n = sum(o[0] for o in outs)
-        return {"tok_s": n / wall, "ttft_s": statistics.median(o[1] for o in outs), "cpu_s_per_tok": cpu / n}
+        out = {"tok_s": n / wall, "ttft_s": statistics.median(o[1] for o in outs), "cpu_s_per_tok": cpu / n}
+        if before is not None:
+            out |= step_breakdown(before, self.counters(), n, wall)
+        return out
 
     def close(self) -> None:
         if getattr(self, "channel", None) is not None:
@@ -173,6 +195,20 @@ class ServeStack:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+STEP_COUNTERS = ("upesi_engine_step_seconds_count", "upesi_engine_step_seconds_sum", "upesi_draft_propose_seconds_sum")
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float], tokens: int, wall: float) -> dict[str, float]:
+    """One request alone: the target's engine steps it took and where a step's wall time went: the target's step
+    (forward pass, verification, sampling: upesi_engine_step_seconds), the draft's proposal
+    (upesi_draft_propose_seconds) and the rest (the Verify round trip, delivering tokens, the services' loops)."""
+    d = {key: after[key] - before[key] for key in STEP_COUNTERS}
+    steps = max(1.0, d["upesi_engine_step_seconds_count"])
+    target, draft = d["upesi_engine_step_seconds_sum"] / steps, d["upesi_draft_propose_seconds_sum"] / steps
+    return {"tokens_per_step": tokens / steps, "step_ms": 1e3 * wall / steps, "target_step_ms": 1e3 * target,
+            "draft_ms": 1e3 * draft, "other_ms": 1e3 * (wall / steps - target - draft)}
 
 
 def measure_stack(sides: dict[str, tuple[ServeStack, int | None]], loads: list[int], tokens: int, reps: int
@@ -406,6 +442,12 @@ def main() -> None:
     for name, r in results.items():
         if "single" in r and name.startswith("upesi") and "weights" not in name and "nvfp4" not in name:
             print(f"{name}: single stream at {r['single']['tok_s'] / bound:.0%} of the bandwidth bound")
+    for name, r in results.items():
+        if "tokens_per_step" in r.get("single", {}):
+            x = r["single"]
+            print(f"{name}: {x['tokens_per_step']:.2f} tokens per target step of {x['step_ms']:.1f} ms = target "
+                  f"{x['target_step_ms']:.1f} + draft {x['draft_ms']:.1f} + round trip and delivery "
+                  f"{x['other_ms']:.1f}")
     for name, r in results.items():
         if "target_rss_mb" in r:
             print(f"{name}: target resident memory {r['target_rss_mb']:.0f} MB")

@@ -21,6 +21,7 @@ from shared.engine.sampler import greedy_tokens, probs_from_logits
 from shared.engine.sequence import Sequence
 from shared.spec.eagle import EagleHead, causal_mask
 from shared.spec.eagle_tree import draft_trees
+from shared.spec.lookup import LookupFirst
 from shared.spec.proposers import prompt_lookup
 from shared.tree import graft_chain
 
@@ -56,6 +57,9 @@ class DraftPolicy:
     # with the root, 6 rows to verify: one pass of the bf16 rows kernel's 6-row tiles over the weights
     tree_width: int = 8             # candidates kept per depth of a tree
     tree_ngram: int = 4             # graft prompt lookup's continuation of up to this many tokens onto each tree
+    depth: int = 4                  # the head drafts at most this many tokens deep (K beyond it: lookup chains)
+    lookup_n: int = 2               # a sequence whose last lookup_n tokens occurred before is drafted by prompt
+    # lookup alone, a chain of up to K tokens, without the head's passes (0: off; shared.spec.lookup)
 
 
 SERVING = DraftPolicy()
@@ -65,7 +69,7 @@ class EagleProposer:
     wants_hidden = True
 
     def __init__(self, head: EagleHead, min_confidence: float = 0.0, tree_nodes: int = 0, tree_width: int = 4,
-                 tree_ngram: int = 0) -> None:
+                 tree_ngram: int = 0, depth: int | None = None, lookup_n: int = 0) -> None:
         check_draft_confidence(min_confidence)
         check_tree_shape(tree_nodes, tree_width)
         if tree_ngram < 0:
@@ -75,6 +79,8 @@ class EagleProposer:
         self.tree_nodes, self.tree_width = tree_nodes, tree_width    # greedy sequences get trees (0 = chains):
         # tree_nodes per step, split among the greedy sequences of the batch
         self.tree_ngram = tree_ngram                  # prompt lookup's continuation grafted onto each tree (0 = off)
+        self.depth = depth                            # the head's drafts at most this deep (None: K)
+        self.lookup = LookupFirst(lookup_n)           # text that repeats: lookup chains instead of the head
         self.states: dict[int, HeadState] = {}
 
     # ---------------------------------------------------------------- features in
@@ -97,9 +103,16 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         out: list[Proposal] = [NO_PROPOSAL] * len(seqs)
+        # Text that repeats its context is drafted by lookup alone; the head's features of those positions wait
+        # in their HeadState and go through the head in one pass when it drafts for the sequence again.
+        chains = self.lookup.chains(seqs, ks)
+        for i, chain in chains.items():
+            out[i] = Proposal(chain)
+        if self.depth is not None:
+            ks = [min(k, self.depth) for k in ks]
         # A sequence can be drafted for when the head has features up to its second-to-last token.
         live = [i for i, s in enumerate(seqs) if (st := self.states.get(s.seq_id)) is not None and len(st.feats)
-                and st.next_feature_pos == len(s) - 1 and ks[i] > 0]
+                and st.next_feature_pos == len(s) - 1 and ks[i] > 0 and i not in chains]
         if not live:
             return out
         states = [self.states[seqs[i].seq_id] for i in live]
@@ -230,11 +243,12 @@ class EagleProposer:
 
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
+        self.lookup.release(seq_id)
 
 
 def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torch.nn.Module | None,
                target_path: str | None, min_confidence: float | None = None, tree_nodes: int | None = None,
-               tree_ngram: int | None = None) -> EagleProposer:
+               tree_ngram: int | None = None, lookup_n: int | None = None) -> EagleProposer:
     """The head at `path`, with the embedding, final norm and LM head of `target` (in-process) or of the checkpoint
     at `target_path` (a draft service; None = the default model); drafts stop below `min_confidence`, greedy
     sequences get trees of up to `tree_nodes` (0 = chains) with prompt lookup's continuation of up to `tree_ngram`
@@ -252,4 +266,5 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
                          f"{head.embed.shape[0]}")
     return EagleProposer(head, SERVING.confidence if min_confidence is None else min_confidence,
                          SERVING.tree_nodes if tree_nodes is None else tree_nodes, SERVING.tree_width,
-                         SERVING.tree_ngram if tree_ngram is None else tree_ngram)
+                         SERVING.tree_ngram if tree_ngram is None else tree_ngram, SERVING.depth,
+                         SERVING.lookup_n if lookup_n is None else lookup_n)

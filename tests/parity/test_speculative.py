@@ -41,13 +41,15 @@ def greedy_ref(tiny):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("proposer", ["ngram", "draft-model", "eagle", "eagle-tree", "eagle-tree-ngram"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft-model", "eagle", "eagle-tree", "eagle-tree-ngram",
+                                      "eagle-lookup"])
 def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, greedy_ref, proposer, k):
     spec = {"ngram": "ngram", "draft-model": f"draft-model:{tiny}"}.get(proposer, f"eagle:{tiny_eagle}")
     eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4, speculative=spec,
                                  num_speculative_tokens=k, draft_confidence=0.0,
                                  draft_tree_ngram=4 if proposer == "eagle-tree-ngram" else 0,
-                                 draft_tree_nodes=6 if proposer.startswith("eagle-tree") else 0))
+                                 draft_tree_nodes=6 if proposer.startswith("eagle-tree") or proposer == "eagle-lookup"
+                                 else 0))
     grafted = []
     if proposer == "eagle-tree-ngram":                       # count the trees that prompt lookup added nodes to
         graft = eng.proposer._graft
@@ -57,6 +59,17 @@ def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, greedy_ref, proposer
             grafted.append(len(out.tokens) > len(prop.tokens))
             return out
         eng.proposer._graft = counting
+    looked_up = []
+    if proposer.startswith("eagle"):                         # count the sequences drafted by lookup alone
+        lookup = eng.proposer.lookup
+        lookup.n = 1 if proposer == "eagle-lookup" else 0
+        chains = lookup.chains
+
+        def counting_chains(seqs, ks):
+            out = chains(seqs, ks)
+            looked_up.append(len(out))
+            return out
+        lookup.chains = counting_chains
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     assert [o[0] for o in eng.generate(PROMPTS, params)] == greedy_ref                 # batch 8
     assert eng.generate(PROMPTS[:1], params)[0][0] == greedy_ref[0]                    # batch 1
@@ -67,6 +80,7 @@ def test_greedy_speculative_equals_greedy(tiny, tiny_eagle, greedy_ref, proposer
         assert eng.proposer.blocks.num_used_blocks == 0 and not eng.proposer.mirrors
     if proposer.startswith("eagle"):
         assert eng.stats_draft > 0 and not eng.proposer.states          # it drafted, and every state was freed
+        assert bool(sum(looked_up)) == (proposer == "eagle-lookup") and not eng.proposer.lookup.tracks
 
 
 def test_speculation_is_used_and_counted(tiny):
