@@ -59,9 +59,9 @@ class ServeConfig:
     num_threads: int | None = option(None, "target: torch CPU threads")
     wide_threads: int | None = option(None, "target: torch CPU threads of forward steps over 4 or more rows "
                                             "(verification, prefill, big batches; default: --num-threads)")
-    draft_num_threads: int = option(1, "draft service: torch CPU threads. 1 by default: a draft step is a few small "
-                                       "matmuls, and a second OpenMP thread would spin on the core the target's "
-                                       "verification needs next (docs/performance.md)")
+    draft_num_threads: int = option(2, "draft service: torch CPU threads. Its OpenMP workers spin only briefly "
+                                       "after each parallel region (GOMP_SPINCOUNT, default 20000) and then sleep, "
+                                       "so they leave the cores to the target's verification that follows")
     device: str = option("auto", "target device: cpu, cuda or auto")
     dtype: str = options.dtype("weights and activations of the targets, draft and expert shards: "
                                + options.DTYPE_HELP)
@@ -204,6 +204,16 @@ def _expert_env(cfg: ServeConfig) -> dict[str, str] | None:
     return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")} if cfg.expert_shards else None
 
 
+def _turns_env(cfg: ServeConfig, env: dict[str, str] | None) -> dict[str, str] | None:
+    """With a draft service, the draft proposes while the target waits, then the target verifies while the draft
+    waits, on the same cores: the OpenMP workers of both spin only briefly after a parallel region (libgomp's
+    default spins for about a millisecond) and then sleep, so that neither holds a core through the other's turn
+    (the gaps between the regions of one step are far shorter)."""
+    if not cfg.draft or (env and "OMP_WAIT_POLICY" in env):      # expert shards: the workers sleep at once
+        return env
+    return {**(env or {}), "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000")}
+
+
 def _tls_args(cfg: ServeConfig, client: bool) -> list[str]:
     """TLS flags of a child: the same certificate serves and, with mutual TLS, is presented as a client certificate.
     `client`: the child calls other services (router, target)."""
@@ -304,7 +314,7 @@ def main(args: argparse.Namespace) -> None:
         placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
         quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # targets and shards alike
         gguf = ["--dequantise-gguf"] if cfg.dequantise_gguf else []             # targets
-        env = _expert_env(cfg)
+        env = _turns_env(cfg, _expert_env(cfg))
         # the shards share this machine's cores with the target
         shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
         # services the launcher restarts when they die: index in procs -> (name, address, command)
