@@ -83,6 +83,18 @@ class BlockQuant:
         return BlockQuant(codes, self.scales / f, self.mins, self.block, 8, None, self.scale_f16 and f == 1.0)
 
     @staticmethod
+    def int8(w: torch.Tensor, block: int = 32) -> BlockQuant:
+        """w [N, K] (K a multiple of block) as int8 codes with one fp32 scale per block: amax / 127, as GGUF's Q8_0
+        (round to nearest; a block of zeros gets scale 0). Lossy: for weights whose products need not be exact."""
+        n, k = w.shape
+        if k % block:
+            raise QuantFormatError(f"cannot quantise [{n}, {k}] in blocks of {block}")
+        blocks = w.float().reshape(n, k // block, block)
+        scales = blocks.abs().amax(-1) / 127                                            # [N, B]
+        codes = (blocks / scales.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
+        return BlockQuant(codes.reshape(n, k).to(torch.int8), scales, None, block, 8)
+
+    @staticmethod
     def cat(parts: list[BlockQuant]) -> BlockQuant:
         """Row-wise concatenation (q/k/v of a fused layer), widened to the finest block, 8 bits where the parts'
         tables differ, fp32 scales and mins where any part needs them."""

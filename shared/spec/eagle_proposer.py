@@ -58,6 +58,7 @@ class DraftPolicy:
     tree_width: int = 8             # candidates kept per depth of a tree
     tree_ngram: int = 4             # graft prompt lookup's continuation of up to this many tokens onto each tree
     depth: int = 4                  # the head drafts at most this many tokens deep (K beyond it: lookup chains)
+    int8_head: bool = True          # the LM head's rows as int8 blocks (EagleHead.pack): half a pass's biggest read
     lookup_n: int = 2               # a sequence whose last lookup_n tokens occurred before is drafted by prompt
     # lookup alone, a chain of up to K tokens, without the head's passes (0: off; shared.spec.lookup)
 
@@ -260,7 +261,7 @@ def make_eagle(path: str, dtype: torch.dtype, device: torch.device, target: torc
         head.attach_target(target.embed_tokens.weight, target.norm, target.lm_head.weight)
     else:
         head.attach_target(*load_target_parts(target_path, dtype, device))
-    head.pack()                                   # bf16 on CPU: prepacked weights (bit-identical, faster)
+    head.pack(int8_head=SERVING.int8_head)        # bf16 on CPU: prepacked weights, the LM head's rows in int8
     if head.embed.shape[0] != head.cfg.vocab_size:
         raise ValueError(f"eagle head {path} was trained for a vocab of {head.cfg.vocab_size}, the target has "
                          f"{head.embed.shape[0]}")

@@ -411,3 +411,30 @@ def test_a_packed_bf16_head_drafts_what_the_unpacked_one_drafts():
             out.append([tuple(p.tokens) + tuple(p.parents or ()) for p in prop.propose(seqs, [3, 4])])
         drafts.append(out)
     assert drafts[0] == drafts[1] and all(len(p) >= 3 for run in drafts[0] for p in run)
+
+
+def test_an_int8_head_reads_int8_rows_close_to_the_bf16_ones():
+    """Serving with int8_head: the LM head's rows as int8 blocks of 32 (BlockQuant.int8) through the quantised rows
+    kernel: logits within the rounding of 8 bits of the bf16 head's, a zero block stays zero."""
+    from shared.ops import qgemm
+    from shared.ops.block_quant import BlockQuant
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    w[5, 32:64] = 0
+    bq = BlockQuant.int8(w)
+    assert bq.codes.dtype == torch.int8 and bq.scales[5, 1] == 0
+    assert (bq.dequantise() - w).abs().max() <= w.abs().max() / 127 / 2 + 1e-6
+    if not qgemm.available():
+        pytest.skip("no quantised rows kernel on this CPU")
+    head = tiny_head().to(torch.bfloat16)
+    rows = torch.randn(V, D, generator=torch.Generator().manual_seed(4)) * 3
+    head.attach_target(head.embed.bfloat16(), head.final_norm.to(torch.bfloat16), rows)
+    head.pack(int8_head=True)
+    assert head.int8_rows is None                 # N = 12 rows: a shape the kernel cannot take keeps bf16 rows
+    head.id_map = torch.arange(32)                # 32 rows of the reduced vocab: the kernel's unit
+    head.attach_target(head.embed.bfloat16(), head.final_norm.to(torch.bfloat16), rows)
+    feats = torch.randn(5, D, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ref = head.logits(feats)
+    head.pack(int8_head=True)
+    got = head.logits(feats)
+    assert head.int8_rows is not None and got.shape == ref.shape
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()

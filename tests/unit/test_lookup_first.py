@@ -1,5 +1,5 @@
 """Lookup first (shared.spec.lookup): which sequences are drafted by prompt lookup alone, with what chain, and
-when a sequence rests from it. The greedy identity of the proposer that uses it is in tests/parity/test_speculative.py."""
+when a sequence rests from it. The greedy identity of the proposer that uses it: tests/parity/test_speculative.py."""
 from __future__ import annotations
 
 import torch
