@@ -32,7 +32,8 @@ stubs: $(STUBS)
 $(STUBS) &: $(PROTOS) | $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
-# The default deployment: router, target and a draft service that proposes K = 4 tokens per step with the EAGLE
+# The default deployment: router, target and a draft service that proposes up to K = 12 tokens per step: prompt
+# lookup's chains where the text repeats, else trees of the EAGLE
 # head trained for the default model (bench/bench_peers.py measures it against vLLM's CPU build). The FFNs stay in
 # the target: on one small host, splitting a 135M model's FFNs over expert shards costs more than it frees
 # (docs/performance.md); `make run SERVE_ARGS="--expert-shards 2 ..."` deploys them, as compose and deploy/ do.
