@@ -17,6 +17,7 @@
 // row is computed as the decode row it replaces.
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -323,7 +324,11 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
                            float scale, int bf16, int64_t max_len, int64_t max_rows, int64_t window,
                            float softcap) {
     int g = h / kvh, dv = dh / 8, fast = bf16 && use_avx512 && dh % 32 == 0;   // dh: a multiple of 8 (the caller)
-    int64_t work = nblocks * kvh, cap = (max_len > 0 ? max_len : 1) + 8;
+    // Work items: (block of rows, kv head), each over its query heads; with fewer items than two per thread (one
+    // sequence's step) each of a kv head's query heads is an item of its own. Every row and head is computed
+    // alone either way (the split changes no result, only which thread computes it).
+    int parts = nblocks * kvh < 2 * omp_get_max_threads() ? g : 1, ng = g / parts;
+    int64_t work = nblocks * kvh * parts, cap = (max_len > 0 ? max_len : 1) + 8;
     #pragma omp parallel if (work > 1)
     {
         // per row of a block and head: scores over the block's positions [rows, G, cap], q [rows, G, Dh], acc
@@ -337,10 +342,10 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         float kv[8 * 512];
         #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; w++) {
-            const int64_t *blk = blocks + (w / kvh) * 2;         // (first row descriptor, rows): one sequence's
+            const int64_t *blk = blocks + (w / (kvh * parts)) * 2;   // (first row descriptor, rows): one sequence's
             const int64_t *d0 = rows + blk[0] * 5;               // rows (row, seq, ctx, j, bits), same ctx
             int64_t nr = blk[1], ctx = d0[2], last_j = 0;
-            int grp = (int)(w % kvh);
+            int grp = (int)(w / parts % kvh), h0 = grp * g + (int)(w % parts) * ng;   // kv head, first query head
             for (int64_t r = 0; r < nr; r++) last_j = d0[r * 5 + 3] > last_j ? d0[r * 5 + 3] : last_j;
             const int64_t *table = block_tables + d0[1] * mb;
             int64_t n = ctx + last_j + 1, npad = (n + 7) / 8 * 8;   // the positions any row of the block attends
@@ -359,25 +364,25 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
                 for (int o = 0; o < bs && p < n; o++) slots[p++] = base + o;
             }
             for (int64_t r = 0; r < nr && !fast; r++)               // fp32 q rows (the fast path reads bf16)
-                for (int e = 0; e < g; e++)
-                    load_row(q, d0[r * 5] * q_stride + (int64_t)(grp * g + e) * dh, dh, bf16, qv + (r * g + e) * dh);
+                for (int e = 0; e < ng; e++)
+                    load_row(q, d0[r * 5] * q_stride + (int64_t)(h0 + e) * dh, dh, bf16, qv + (r * ng + e) * dh);
             // scores, 8 positions at a time, each K row read once for all rows: every position's q . k is its own
             // 8 lanes (fused multiply-adds over the head dim in order) summed by one tree, whatever the chunk
             if (fast) {
                 for (int64_t r = 0; r < nr; r++)
-                    memcpy(qb + r * g * dh, (const uint16_t *)q + d0[r * 5] * q_stride + (int64_t)grp * g * dh,
-                           sizeof(uint16_t) * (size_t)(g * dh));
-                scores_dpbf16(qb, nr * g, (const uint16_t *)k_cache, slots, p_start, n, npad, kvh, grp, dh, scale,
+                    memcpy(qb + r * ng * dh, (const uint16_t *)q + d0[r * 5] * q_stride + (int64_t)h0 * dh,
+                           sizeof(uint16_t) * (size_t)(ng * dh));
+                scores_dpbf16(qb, nr * ng, (const uint16_t *)k_cache, slots, p_start, n, npad, kvh, grp, dh, scale,
                               scores, cap);
                 if (softcap > 0.f)
-                    for (int64_t re = 0; re < nr * g; re++)
+                    for (int64_t re = 0; re < nr * ng; re++)
                         for (int64_t p0 = p_start; p0 < npad; p0 += 8)
                             _mm256_storeu_ps(scores + re * cap + p0,
                                              softcap8(_mm256_loadu_ps(scores + re * cap + p0), softcap));
             } else {
                 for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
                     load_tile(k_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
-                    for (int64_t re = 0; re < nr * g; re++) {
+                    for (int64_t re = 0; re < nr * ng; re++) {
                         __m256 s8 = _mm256_mul_ps(dot_tile(qv + re * dh, kv, dh), _mm256_set1_ps(scale));
                         _mm256_storeu_ps(scores + re * cap + p0, softcap > 0.f ? softcap8(s8, softcap) : s8);
                     }
@@ -388,8 +393,8 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
                 int64_t j = d0[r * 5 + 3], end = ctx + j + 1, l0 = lo[r];   // a causal row attends [l0, end)
                 uint64_t bits = (uint64_t)d0[r * 5 + 4];
                 int causal = bits == ~(uint64_t)0;
-                for (int e = 0; e < g; e++) {
-                    float *sc = scores + (r * g + e) * cap, m = -INFINITY;
+                for (int e = 0; e < ng; e++) {
+                    float *sc = scores + (r * ng + e) * cap, m = -INFINITY;
                     if (causal) {
                         __m256 mx = _mm256_set1_ps(-INFINITY);
                         int64_t p = l0;
@@ -430,14 +435,14 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
             }
             // weighted sum of V, 8 positions at a time, each V row read once: every output lane adds its
             // positions' products in position order (a position a row does not attend adds 0 x v)
-            memset(acc, 0, sizeof(float) * (size_t)(nr * g * dh));
+            memset(acc, 0, sizeof(float) * (size_t)(nr * ng * dh));
             if (fast) {
-                pv_bf16(scores, nr * g, cap, (const uint16_t *)v_cache, slots, p_start, n, (int64_t)kvh * dh,
+                pv_bf16(scores, nr * ng, cap, (const uint16_t *)v_cache, slots, p_start, n, (int64_t)kvh * dh,
                         (int64_t)grp * dh, dh, acc);
             } else for (int64_t p0 = p_start; p0 < npad; p0 += 8) {
                 load_tile(v_cache, slots, p0, n, kvh, grp, dh, bf16, kv);
                 int cnt = (int)(n - p0 < 8 ? n - p0 : 8);
-                for (int64_t re = 0; re < nr * g; re++) {
+                for (int64_t re = 0; re < nr * ng; re++) {
                     const float *wr = scores + re * cap + p0;
                     float *a = acc + re * dh;
                     int x = 0;
@@ -446,9 +451,9 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
                 }
             }
             for (int64_t r = 0; r < nr; r++)
-                for (int e = 0; e < g; e++)
-                    store_row(out, d0[r * 5] * out_stride + (int64_t)(grp * g + e) * dh, dh, bf16,
-                              acc + (r * g + e) * dh);
+                for (int e = 0; e < ng; e++)
+                    store_row(out, d0[r * 5] * out_stride + (int64_t)(h0 + e) * dh, dh, bf16,
+                              acc + (r * ng + e) * dh);
         }
         free(scores);
         free(qv);

@@ -77,6 +77,27 @@ def test_rows_do_not_depend_on_their_neighbours(dtype, path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_sequence_splits_its_query_heads_without_changing_a_bit(dtype, path):
+    """One sequence's step (a decode, a chain, a tree) has fewer (rows, kv head) items than two per thread, so each
+    query head is an item of its own: the same bits as the same rows beside another sequence, close to the
+    reference."""
+    g = torch.Generator().manual_seed(4)
+    kc, vc = torch.randn(32, 16, 3, 64, generator=g).to(dtype), torch.randn(32, 16, 3, 64, generator=g).to(dtype)
+    for qlen, tree in ((1, None), (5, None), (6, [-1, -1, 0, 0, 2])):
+        trees = {1: tree} if tree else None
+        both = make_step([40, 60], [1, qlen], nb=32, bs=16, trees=trees, seed=5)
+        q = torch.randn(1 + qlen, 9, 64, generator=g).to(dtype)
+        out = cpu_attention.paged_attention(q, kc, vc, both, 0.125)
+        alone = AttentionMetadata(both.slot_mapping[1:], both.block_tables[1:], both.seq_lens[1:],
+                                  torch.tensor([0, qlen]), int(qlen == 1), [qlen], [60], qlen,
+                                  tree_masks={0: both.tree_masks[1]} if tree else {})
+        got = cpu_attention.paged_attention(q[1:], kc, vc, alone, 0.125)
+        assert torch.equal(got, out[1:])
+        want = paged_attention_ref(q[1:], kc, vc, alone, 0.125)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_equals_apply_rope_and_write_kv(dtype):
     g = torch.Generator().manual_seed(4)
     t, h, kvh, dh = 7, 9, 3, 64
