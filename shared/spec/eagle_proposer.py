@@ -21,7 +21,7 @@ from shared.engine.sampler import greedy_tokens, probs_from_logits
 from shared.engine.sequence import Sequence
 from shared.spec.eagle import EagleHead, causal_mask
 from shared.spec.eagle_tree import draft_trees
-from shared.spec.lookup import LookupFirst
+from shared.spec.lookup import LOOKUP_N, LookupFirst
 from shared.spec.proposers import prompt_lookup
 from shared.tree import graft_chain
 
@@ -59,7 +59,7 @@ class DraftPolicy:
     tree_ngram: int = 4             # graft prompt lookup's continuation of up to this many tokens onto each tree
     depth: int = 4                  # the head drafts at most this many tokens deep (K beyond it: lookup chains)
     int8_head: bool = True          # the LM head's rows as int8 blocks (EagleHead.pack): half a pass's biggest read
-    lookup_n: int = 2               # a sequence whose last lookup_n tokens occurred before is drafted by prompt
+    lookup_n: int = LOOKUP_N        # a sequence whose last lookup_n tokens occurred before is drafted by prompt
     # lookup alone, a chain of up to K tokens, without the head's passes (0: off; shared.spec.lookup)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from shared.engine.sequence import Sequence
 
+LOOKUP_N = 2           # the serving default: a sequence whose last 2 tokens occurred before is drafted by lookup
 MISSES = 2             # lookup drafts refused outright in a row before a sequence rests from lookup
 REST_STEPS = 8         # proposals a resting sequence is drafted without lookup
 LONGER = 2             # matches of up to n + LONGER tokens are tried first

@@ -2,6 +2,11 @@
 
 The target binds the requests a draft opened on a Verify stream to that stream's proposer; every other request
 uses the engine's own (`--speculative`, or none). The engine calls the mux exactly as it calls one proposer.
+
+Lookup first for the streams' sequences: one whose text repeats its context is drafted here by prompt lookup
+(shared.spec.lookup) and left out of that step's exchange with its draft service, which saves the round trip and
+the draft's work where a lookup chain is the better draft anyway. Its hidden states and tokens wait in the stream's
+proposer and reach the draft with its next exchange.
 """
 from __future__ import annotations
 
@@ -9,11 +14,13 @@ from collections.abc import Callable
 
 from shared.engine.proposal import NO_PROPOSAL, Proposal, Proposer
 from shared.engine.sequence import Sequence
+from shared.spec.lookup import LOOKUP_N, LookupFirst
 
 
 class ProposerMux:
-    def __init__(self, local: Proposer | None = None) -> None:
+    def __init__(self, local: Proposer | None = None, lookup_n: int = LOOKUP_N) -> None:
         self.local = local
+        self.lookup = LookupFirst(lookup_n)           # for sequences bound to a stream (0: off)
         self.bound: dict[str, Proposer] = {}          # request id -> proposer (set by the caller's thread)
         self.streams: dict[int, Proposer] = {}        # every live stream's proposer, bound requests or not
 
@@ -49,10 +56,15 @@ class ProposerMux:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         out: list[Proposal] = [NO_PROPOSAL] * len(seqs)
+        streamed = [i for i, s in enumerate(seqs) if hasattr(self._of(s), "start_propose")]
+        chains = self.lookup.chains([seqs[i] for i in streamed], [ks[i] for i in streamed])
+        looked_up = {streamed[j] for j in chains}
+        for j, chain in chains.items():
+            out[streamed[j]] = Proposal(chain)
         groups: dict[int, tuple[Proposer, list[int]]] = {}
         for i, s in enumerate(seqs):
             p = self._of(s)
-            if p is not None:
+            if p is not None and i not in looked_up:
                 groups.setdefault(id(p), (p, []))[1].append(i)
         # One batched call per proposer. Remote ones (Verify streams) are sent their verdicts first and awaited
         # after, so that every draft service and the local proposer compute at the same time.
@@ -80,3 +92,4 @@ class ProposerMux:
         the caller's side first, or moved from a stream to local)."""
         for p in self._all():
             p.release(seq_id)
+        self.lookup.release(seq_id)

@@ -153,3 +153,32 @@ def test_draft_trees_cross_the_stream_checked():
         _, out = await _exchange(p, outbox, seqs, [3, 3, 2, 3, 3], lambda m: reply)
         assert out == [tree, NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL, NO_PROPOSAL]
     asyncio.run(main())
+
+
+def test_the_mux_drafts_repeated_text_by_lookup_without_an_exchange():
+    """Lookup first on the target's side: a streamed sequence whose text repeats is drafted by prompt lookup and
+    left out of the step's exchange; its hidden states go to the draft with the next exchange."""
+    from shared.spec.proposer_mux import ProposerMux
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        box: asyncio.Queue = asyncio.Queue()
+        stream = StreamProposer(loop, box, timeout_s=5)
+        mux = ProposerMux()
+        mux.add(stream)
+        seq = _seq([4, 5, 6, 4, 5])
+        mux.bind(seq.request_id, stream)
+        mux.accept_hidden(seq, 0, torch.ones(4, 3))                          # positions 0 .. 3
+        assert await loop.run_in_executor(None, mux.propose, [seq], [2]) == [Proposal([6, 4])]
+        assert box.empty()                                                    # no exchange this step
+        seq.token_ids += [9, 7]                                               # the lookup draft refused: 9
+        mux.accept_hidden(seq, 4, torch.zeros(2, 3))                          # positions 4, 5
+        task = loop.run_in_executor(None, mux.propose, [seq], [2])
+        msg = await asyncio.wait_for(box.get(), 5)
+        stream.answer(msg.step, _proposals([1, 2]))
+        (s,) = msg.propose.seqs
+        assert await task == [Proposal([1, 2])] and (s.base, list(s.tokens)) == (0, [4, 5, 6, 4, 5, 9, 7])
+        assert (s.hidden_start, s.hidden_rows) == (0, 6)                     # every position since the start
+        mux.release(seq.seq_id)
+        assert not mux.lookup.tracks
+    asyncio.run(main())
