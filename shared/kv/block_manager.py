@@ -19,7 +19,7 @@
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence as Seq
 from typing import Any, NewType, Protocol
 
@@ -214,10 +214,13 @@ class BlockManager:
         del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
-        for block in reversed(seq.block_table[seq.num_released_blocks:]):   # tail first: evicted first
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] < 0:
+        """Gives back the sequence's blocks; a block it does not hold (a second free) raises before any changes."""
+        held = seq.block_table[seq.num_released_blocks:]
+        for block, times in Counter(held).items():
+            if self.ref_counts[block] < times:
                 raise RuntimeError(f"block {block} freed more often than taken")
+        for block in reversed(held):                                      # tail first: evicted first
+            self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_ids[block] = None
         seq.block_table = []

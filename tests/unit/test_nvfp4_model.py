@@ -226,16 +226,16 @@ def test_nvfp4_linear_segments_match_the_per_layer_reference(act_quant: bool) ->
         layer.load_segment(0, quantise_weight(torch.randn(32, 48)))
 
 
-def test_nvfp4_linear_triton_path_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture()
+def interpreted_nvfp4():
+    """The NVFP4 kernel module under TRITON_INTERPRET=1 for one test (shared.testing.triton_cpu)."""
+    from shared.testing.triton_cpu import interpreted
+    with interpreted("shared.quant.nvfp4_triton"):
+        yield
+
+
+def test_nvfp4_linear_triton_path_matches_torch_path(interpreted_nvfp4) -> None:
     """The CUDA branch (one Triton launch per segment, per-segment global scales) under TRITON_INTERPRET=1."""
-    import importlib
-
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from shared.quant import nvfp4_triton
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if not isinstance(nvfp4_triton._nvfp4_gemm_kernel, InterpretedFunction):   # as test_nvfp4_triton does
-        importlib.reload(nvfp4_triton)                    # @triton.jit reads the variable when the kernel is defined
     g = torch.Generator().manual_seed(4)
     layer = NVFP4Linear(64, [32, 16, 16], bias=True)
     for i, (n, s) in enumerate(((32, 1.0), (16, 0.01), (16, 50.0))):

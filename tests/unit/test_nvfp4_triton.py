@@ -1,21 +1,24 @@
 """The Triton NVFP4 GEMM against its torch reference, under TRITON_INTERPRET=1 on CPU (small shapes)."""
-import os
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it when the kernel is defined
+from shared.quant.nvfp4 import NVFP4ShapeError, NVFP4Weight, quantise_weight
+from shared.quant.nvfp4_linear import nvfp4_linear
+from shared.testing.triton_cpu import interpreted
 
-import importlib  # noqa: E402
+NVFP4DeviceError = nvfp4_matmul = None                      # the interpreted module's, set by `kernels`
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import shared.quant.nvfp4_triton as nvfp4_triton  # noqa: E402
-from shared.quant.nvfp4 import NVFP4ShapeError, NVFP4Weight, quantise_weight  # noqa: E402
-from shared.quant.nvfp4_linear import nvfp4_linear  # noqa: E402
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """The kernel module under TRITON_INTERPRET=1 for this module's tests only."""
+    global NVFP4DeviceError, nvfp4_matmul
+    with interpreted("shared.quant.nvfp4_triton") as (mod,):
+        assert isinstance(mod._nvfp4_gemm_kernel, InterpretedFunction)
+        NVFP4DeviceError, nvfp4_matmul = mod.NVFP4DeviceError, mod.nvfp4_matmul
+        yield
 
-if not isinstance(nvfp4_triton._nvfp4_gemm_kernel, InterpretedFunction):  # imported earlier without the variable
-    nvfp4_triton = importlib.reload(nvfp4_triton)
-NVFP4DeviceError, nvfp4_matmul = nvfp4_triton.NVFP4DeviceError, nvfp4_triton.nvfp4_matmul
 
 ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 

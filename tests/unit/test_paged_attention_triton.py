@@ -4,23 +4,25 @@ Batches are ragged like the engine's: decodes first, then multi-token sequences 
 cached context, K+1 = 4 verification queries), partly filled last blocks, and block tables that share physical
 blocks (a common prefix).
 """
-import os
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it when the kernel is defined
+from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
+from shared.testing.triton_cpu import interpreted
+from tests.paged_batches import MIXED, SHARE, make_batch, random_parents
 
-import importlib  # noqa: E402
+pat = PagedAttentionError = paged_attention_triton = None   # the interpreted module's, set by `kernels`
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import shared.ops.paged_attention_triton as pat  # noqa: E402
-from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref  # noqa: E402
-from tests.paged_batches import MIXED, SHARE, make_batch, random_parents  # noqa: E402
-
-if not isinstance(pat._paged_attention_kernel, InterpretedFunction):  # imported earlier without the variable
-    pat = importlib.reload(pat)
-PagedAttentionError, paged_attention_triton = pat.PagedAttentionError, pat.paged_attention_triton
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """The kernel module under TRITON_INTERPRET=1 for this module's tests only."""
+    global pat, PagedAttentionError, paged_attention_triton
+    with interpreted("shared.ops.paged_attention_triton") as (pat,):
+        assert isinstance(pat._paged_attention_kernel, InterpretedFunction)
+        PagedAttentionError, paged_attention_triton = pat.PagedAttentionError, pat.paged_attention_triton
+        yield
 
 
 def check(lens: list[tuple[int, int]], share: list[tuple[int, int, int]], h: int, kvh: int, dh: int, bs: int,
