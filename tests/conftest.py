@@ -70,8 +70,8 @@ def hf_greedy(hf_model, chat_prompt_ids) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
-    """A 2-layer Llama checkpoint (tests/parity/test_tiny_llama.py's), saved once per test run."""
-    from tests.parity.test_tiny_llama import save_tiny
+    """A 2-layer Llama checkpoint (shared.testing.tiny_llama's), saved once per test run."""
+    from shared.testing.tiny_llama import save_tiny
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny(path, None)
     return str(path)
@@ -93,3 +93,19 @@ def stack(tmp_path_factory):
     finally:
         code = s.stop()
         assert code == 0, f"upesi serve exited with {code}:\n{s.log.read_text()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """The tiny random Llama of shared.testing.tiny_llama, saved for a module's tests."""
+    from shared.testing.tiny_llama import save_tiny
+    path = tmp_path_factory.mktemp("tiny-spec")
+    save_tiny(path, None)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle(tiny) -> str:
+    """A random EAGLE head for the tiny target (reduced vocab of 48 of its 96 tokens)."""
+    from shared.testing.tiny_llama import save_tiny_eagle
+    return save_tiny_eagle(tiny, f"{tiny}/eagle")

@@ -48,6 +48,28 @@ INTERNAL_TOKEN = "upesi-tests-internal-token"
 INTERNAL = [("x-upesi-internal-token", INTERNAL_TOKEN)]
 
 
+
+def spawn(args: list[str], log) -> subprocess.Popen:
+    """`python -m services.cli ARGS` from the checkout's root, its output into `log`."""
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def wait_healthy(address: str, timeout_s: float = 300) -> None:
+    """Until the gRPC health check at `address` answers SERVING (TimeoutError after timeout_s)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        while time.monotonic() < deadline:
+            try:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(address)
+
 class Stack:
     """`upesi serve` on free ports, as a user runs it."""
 

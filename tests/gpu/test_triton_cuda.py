@@ -24,7 +24,7 @@ from shared.quant.nvfp4 import NVFP4Weight, quantise_weight  # noqa: E402
 from shared.quant.nvfp4_linear import nvfp4_linear  # noqa: E402
 from shared.quant.nvfp4_triton import nvfp4_matmul  # noqa: E402
 from shared.tree import ancestor_mask  # noqa: E402
-from tests.paged_batches import MIXED, SHARE, make_batch, random_parents  # noqa: E402
+from shared.testing.paged_batches import MIXED, SHARE, make_batch, random_parents  # noqa: E402
 
 CUDA = torch.device("cuda")
 # bf16/fp16 outputs: the kernel rounds p to the cache dtype before PV (FlashAttention does too); the reference
@@ -142,7 +142,7 @@ def test_engine_on_cuda_matches_transformers(tmp_path, dtype: str) -> None:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.sampling_params import SamplingParams
-    from tests.parity.test_tiny_llama import save_tiny
+    from shared.testing.tiny_llama import save_tiny
 
     ref = save_tiny(tmp_path, None).to(CUDA, getattr(torch, dtype))
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16,

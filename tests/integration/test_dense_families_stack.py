@@ -8,7 +8,7 @@ import pytest
 
 from shared.testing.moe_checkpoints import hf_greedy, save_tokenizer, stack_greedy
 from tests.conftest import Stack
-from tests.parity.test_dense_families import MAKERS, PROMPTS, _mistral, _save
+from shared.testing.dense_checkpoints import MAKERS, PROMPTS, make_mistral, save_dense
 
 pytestmark = pytest.mark.slow
 TOKENS = 24
@@ -17,7 +17,7 @@ TOKENS = 24
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_multimodal"])
 def test_greedy_through_the_stack_equals_transformers(tmp_path, family):
     model = tmp_path / "model"
-    ref = _save(MAKERS.get(family) or (lambda: _mistral(16)), model)
+    ref = save_dense(MAKERS.get(family) or (lambda: make_mistral(16)), model)
     save_tokenizer(model)                                # "t5 t17" is the prompt [5, 17]
     want = hf_greedy(ref, PROMPTS, TOKENS)
     stack = Stack(tmp_path, ["--model", str(model), "--speculative", "ngram", "--num-threads", "1"])

@@ -14,9 +14,9 @@ from shared.engine.config import EngineConfig
 from shared.sampling_params import SamplingParams
 from shared.spec.factory import build_engine
 from tests.conftest import free_port
-from tests.integration.test_speculative_stack import spawn, wait_healthy
-from tests.parity.test_speculative import PROMPTS
-from tests.parity.test_tiny_llama import save_tiny
+from shared.testing.stack import spawn, wait_healthy
+from shared.testing.tiny_llama import PROMPTS
+from shared.testing.tiny_llama import save_tiny
 from upesi.v1 import draft_pb2, draft_pb2_grpc, target_pb2
 
 pytestmark = pytest.mark.slow

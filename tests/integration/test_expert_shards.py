@@ -210,7 +210,7 @@ def test_routed_experts_on_shards_equal_local_with_replicas_fail_over_and_rebala
     from shared.sampling_params import SamplingParams
     from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
     from shared.shards.rebalance import replicate_hot
-    from tests.parity.test_moe_families import save_tiny
+    from shared.testing.moe_checkpoints import save_tiny
 
     save_tiny(tmp_path, "deepseek_v3")                   # layer 0 dense; layers 1, 2: 8 routed + 1 shared expert
     # layer 1: every expert on both shards; layer 2: contiguous. Dense layer 0: slice 1 also on shard 0.

@@ -7,38 +7,18 @@ without an error; no KV block leaks.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
 import grpc
 import pytest
 
-from tests.conftest import CHAT_PROMPTS, GREEDY_TOKENS, ROOT, free_port
+from shared.testing.stack import spawn, wait_healthy
+from tests.conftest import CHAT_PROMPTS, GREEDY_TOKENS, free_port
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
-
-
-def spawn(args: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
-
-
-def wait_healthy(address: str, timeout_s: float = 300) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        while time.monotonic() < deadline:
-            try:
-                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise TimeoutError(address)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.errors import InvalidRequest
 from shared.sampling_params import SamplingParams
-from tests.parity.test_tiny_llama import save_tiny
+from shared.testing.tiny_llama import save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -11,91 +11,13 @@ from shared.engine.engine import LLMEngine
 from shared.sampling_params import SamplingParams
 from shared.spec.factory import build_engine
 from shared.testing.gguf_files import write_gguf
+from shared.testing.dense_checkpoints import (GEMMA, MAKERS, PROMPTS, make_gemma2, make_gemma3, make_llama3,
+                                              make_mistral, make_phi3, make_qwen2, make_qwen3, save_dense)
 from shared.testing.moe_checkpoints import COMMON, hf_greedy
-
-PROMPTS = [[5, 17, 29, 3, 77, 41, 8, 60, 12, 99, 5, 17, 29], [9, 2, 64, 13]]
-
-
-def _qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    return Qwen2ForCausalLM(Qwen2Config(**COMMON, intermediate_size=96))
-
-
-def _qwen3():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=24, intermediate_size=96))
-
-
-def _phi3(window: int | None = 16, longrope: bool = False, rotary: float = 1.0):
-    from transformers import Phi3Config, Phi3ForCausalLM
-    extra = {}
-    heads = COMMON["num_attention_heads"] if rotary == 1.0 else 2       # Phi-4-mini-like: 32-dim heads, half rotated
-    if longrope:                            # the 128k variants' scaling, past an original window of 32 positions
-        half = int(COMMON["hidden_size"] // heads * rotary) // 2
-        extra = {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
-                                  "long_factor": [2.0 + i for i in range(half)]},
-                 "original_max_position_embeddings": 32}
-    return Phi3ForCausalLM(Phi3Config(**(COMMON | {"num_attention_heads": heads}), intermediate_size=96,
-                                      sliding_window=window, pad_token_id=None, partial_rotary_factor=rotary, **extra))
-
-
-GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
-         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
-
-
-def _gemma2(**kw):
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-    return Gemma2ForCausalLM(Gemma2Config(**(COMMON | GEMMA | kw), intermediate_size=96, attn_logit_softcapping=5.0,
-                                          final_logit_softcapping=3.0))
-
-
-def _gemma3(local_theta: float = 100.0, **kw):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    return Gemma3ForCausalLM(Gemma3TextConfig(**(COMMON | GEMMA | kw), intermediate_size=96, rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}))
-
-
-def _gemma3_multimodal():
-    """Gemma 3 4B and up: a Gemma3ForConditionalGeneration checkpoint (SigLIP vision tower, projector), served for
-    its text; transformers runs the same wrapper on text-only input."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
-    text = Gemma3TextConfig(**(COMMON | GEMMA), intermediate_size=96)
-    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
-
-
-def _llama3():
-    """Llama 3.x: its RoPE scaling (low / high frequency factors over an original window of 32 tokens)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=96, rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32, "rope_theta": 500000.0}))
-
-
-def _mistral(window: int | None):
-    from transformers import MistralConfig, MistralForCausalLM
-    return MistralForCausalLM(MistralConfig(**COMMON, intermediate_size=96, sliding_window=window))
-
-
-def _save(make, path):
-    torch.manual_seed(0)
-    model = make().eval()
-    with torch.no_grad():                   # spread the logits so greedy ties are unlikely
-        model.lm_head.weight.mul_(8)
-    model.save_pretrained(path)
-    return model
-
-
-MAKERS = {"llama3": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
-          "phi3_longrope": lambda: _phi3(None, True), "phi4_mini": lambda: _phi3(None, True, 0.5),
-          "gemma2": _gemma2, "gemma3": _gemma3, "gemma3_multimodal": _gemma3_multimodal}
-
 
 @pytest.mark.parametrize("family", list(MAKERS))
 def test_logits_greedy_and_speculation_match_transformers(tmp_path, family):
-    ref = _save(MAKERS[family], tmp_path)
+    ref = save_dense(MAKERS[family], tmp_path)
     if family == "qwen2":
         assert ref.model.layers[0].self_attn.q_proj.bias is not None          # the biases are loaded and used
     if family in ("phi3_longrope", "phi4_mini"):   # 120 positions scored: all on the long factors, as in transformers
@@ -128,7 +50,7 @@ def test_longrope_past_the_original_window_matches_transformers(tmp_path):
     each later token to the long factors), a prompt over it (all on the long factors), one that ends exactly at it,
     greedy and with n-gram speculation (verification rows across the switch). A prompt's blocks computed with one
     set of factors are not reused for a prompt on the other (same tokens, 33 against 20 of them)."""
-    ref = _save(lambda: _phi3(None, True), tmp_path)
+    ref = save_dense(lambda: make_phi3(None, True), tmp_path)
     ids = torch.randint(1, 110, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     prompts = PROMPTS + [ids, ids[:32], ids[:20], ids[:33]]
     want = hf_greedy(ref, prompts, tokens=40)
@@ -153,7 +75,8 @@ def _qwen2_windowed():
 def test_sliding_window_past_the_window_matches_transformers(tmp_path, family):
     """Mistral with a 16-token window on every layer and Qwen2 with an 8-token one on its layers from
     max_window_layers on; prompts and outputs run far past the window (up to 90 positions)."""
-    ref = _save(lambda: _mistral(16), tmp_path) if family == "mistral" else _save(_qwen2_windowed, tmp_path)
+    make = (lambda: make_mistral(16)) if family == "mistral" else _qwen2_windowed
+    ref = save_dense(make, tmp_path)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16))
     windows = [layer.self_attn.window for layer in eng.runner.model.layers]
     assert windows == ([16, 16, 16] if family == "mistral" else [None, 8, 8])
@@ -175,7 +98,7 @@ def test_sliding_window_past_the_window_matches_transformers(tmp_path, family):
 def test_blocks_behind_the_window_go_back_to_the_pool(tmp_path):
     """Mistral with a 16-token window on every layer, blocks of 16: a sequence holds at most the blocks its window
     spans (plus the one being filled) however long it grows, and the output still equals transformers'."""
-    ref = _save(lambda: _mistral(16), tmp_path)
+    ref = save_dense(lambda: make_mistral(16), tmp_path)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=16))
     assert eng.window == 16
     used, step = [], eng.step
@@ -193,7 +116,7 @@ def test_blocks_behind_the_window_go_back_to_the_pool(tmp_path):
 
 
 def test_mistral_without_a_window(tmp_path):
-    ref = _save(lambda: _mistral(None), tmp_path / "full")                 # Mistral v0.2+: no window
+    ref = save_dense(lambda: make_mistral(None), tmp_path / "full")                 # Mistral v0.2+: no window
     eng = LLMEngine(EngineConfig(model=str(tmp_path / "full"), progress=False, num_kv_blocks=64))
     out = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert [o[0] for o in out] == hf_greedy(ref, PROMPTS)
@@ -207,7 +130,7 @@ def test_a_mistral_gguf_file_takes_its_window_from_hf_overrides(tmp_path):
     they are, they attend to everything. `hf_overrides` (--hf-overrides '{"sliding_window": 16}' on target and
     serve) puts the window back, and the file then matches transformers' Mistral past its window."""
     torch.manual_seed(0)
-    ref = _mistral(16).eval()
+    ref = make_mistral(16).eval()
     with torch.no_grad():
         ref.lm_head.weight.mul_(8)
     path = tmp_path / "mistral.gguf"
@@ -229,7 +152,7 @@ def test_an_eagle_head_for_a_partial_rotary_target(tmp_path):
     each head here), also once saved and loaded; its trees, verified in process, give transformers' greedy tokens."""
     from shared.model.loader import load_config
     from shared.spec.eagle import EagleHead, head_config_for
-    ref = _save(MAKERS["phi4_mini"], tmp_path / "target")
+    ref = save_dense(MAKERS["phi4_mini"], tmp_path / "target")
     cfg = load_config(str(tmp_path / "target"))
     torch.manual_seed(0)
     head = EagleHead(head_config_for(cfg, 64))
@@ -262,16 +185,16 @@ def assert_matches(eng: LLMEngine, ref, tokens: int) -> None:
     assert [o[0] for o in eng.generate(PROMPTS, params)] == hf_greedy(ref, PROMPTS, tokens)
 
 
-GGUF_MAKERS = {"llama": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
+GGUF_MAKERS = {"llama": make_llama3, "qwen2": make_qwen2, "qwen3": make_qwen3, "phi3": make_phi3,
                # as every Gemma 2: tied embeddings, and query_pre_attn_scalar = head dim (a GGUF file does not carry
                # it; llama.cpp takes the head dim, but for the 27B)
-               "gemma2": lambda: _gemma2(query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True),
+               "gemma2": lambda: make_gemma2(query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True),
                # Gemma 3 as llama.cpp reads it: every 6th layer global, the local RoPE base 10000
-               "gemma3": lambda: _gemma3(10000.0, query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True,
+               "gemma3": lambda: make_gemma3(10000.0, query_pre_attn_scalar=GEMMA["head_dim"], tie_word_embeddings=True,
                                          num_hidden_layers=6, layer_types=None),
                # the 128k variants: LongRoPE factors as rope_factors_long / _short tensors, the original window (32
                # here) and attention factor in the metadata; Phi-4-mini's rope.dimension_count is its rotated dims
-               "phi3_longrope": lambda: _phi3(None, True), "phi4_mini": lambda: _phi3(None, True, 0.5)}
+               "phi3_longrope": lambda: make_phi3(None, True), "phi4_mini": lambda: make_phi3(None, True, 0.5)}
 GGUF_ARCH = {"phi3_longrope": "phi3", "phi4_mini": "phi3"}             # the file's architecture, where not the key
 
 
@@ -329,7 +252,7 @@ def test_nvfp4_checkpoints_of_the_families_match_the_dequantised_reference(tmp_p
     on the dequantised weights."""
     from shared.convert.quantize import quantize
     from shared.quant.nvfp4_module import NVFP4Linear
-    src = _save(MAKERS[family], tmp_path / "src")
+    src = save_dense(MAKERS[family], tmp_path / "src")
     result = quantize(str(tmp_path / "src"), str(tmp_path / "q"), progress=False)
     eng = LLMEngine(EngineConfig(model=str(tmp_path / "q"), progress=False, num_kv_blocks=64, device="cpu"))
     layer = eng.runner.model.layers[0]

@@ -9,30 +9,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling_params import SamplingParams
 from shared.spec.factory import build_engine
-from tests.parity.test_tiny_llama import save_tiny
-
-PROMPTS = [torch.randint(1, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-           for n in (5, 17, 30, 9, 12, 40, 3, 22)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-spec")
-    save_tiny(path, None)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_eagle(tiny):
-    """A random EAGLE head for the tiny target (reduced vocab of 48 of its 96 tokens)."""
-    from shared.model.loader import load_config
-    from shared.spec.eagle import EagleHead, head_config_for
-    torch.manual_seed(0)
-    head = EagleHead(head_config_for(load_config(tiny), 48))
-    head.id_map = torch.randperm(96)[:48].sort().values
-    head.save(f"{tiny}/eagle")
-    return f"{tiny}/eagle"
-
+from shared.testing.tiny_llama import PROMPTS
 
 @pytest.fixture(scope="module")
 def greedy_ref(tiny):

@@ -11,6 +11,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.errors import InvalidRequest
 from shared.sampling_params import SamplingParams
+from shared.testing.tiny_llama import save_tiny
 
 ROPE = {
     "default": None,
@@ -19,21 +20,6 @@ ROPE = {
                "original_max_position_embeddings": 32},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
 }
-
-
-def save_tiny(path, rope, tie=True):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rope_theta=10000.0, tie_word_embeddings=tie, eos_token_id=95, bos_token_id=0)
-    if rope:
-        cfg.rope_parameters = dict(rope, rope_theta=10000.0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():                         # make logits spread out so greedy ties are unlikely
-        model.lm_head.weight.mul_(8)
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.mark.parametrize("kind", list(ROPE))

@@ -7,31 +7,11 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.proposal import Proposal
 from shared.sampling_params import SamplingParams
-from tests.parity.test_tiny_llama import save_tiny
+from shared.testing.scripted_proposer import PROMPT, Scripted
+from shared.testing.tiny_llama import save_tiny
 
-PROMPT, TOKENS, K = [3, 5, 7, 9], 24, 4
-
-
-class Scripted:
-    """Proposes the plain greedy continuation (all accepted) while `right`, else tokens that are never the argmax;
-    records the K the engine asks for."""
-
-    def __init__(self, greedy: list[int], vocab: int) -> None:
-        self.greedy, self.vocab, self.right, self.asked = greedy, vocab, False, []
-
-    def propose(self, seqs, ks):
-        out = []
-        for s, k in zip(seqs, ks):
-            self.asked.append(k)
-            done = s.num_output_tokens
-            truth = self.greedy[done:done + k]
-            out.append(Proposal(truth if self.right else [(t + 1) % self.vocab for t in truth]))
-        return out
-
-    def release(self, seq_id: int) -> None:
-        pass
+TOKENS, K = 24, 4
 
 
 @pytest.mark.parametrize("adaptive", [True, False])

@@ -15,7 +15,7 @@ from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
 from shared.sampling_params import SamplingParams
 from shared.spec.proposers import prompt_lookup
 from shared.tree import ancestor_mask, check_tree, compaction, depths, graft_chain, is_chain, walk_greedy
-from tests.parity.test_speculative import PROMPTS, tiny  # noqa: F401 (tiny: the tiny target, a fixture)
+from shared.testing.tiny_llama import PROMPTS
 
 # The tree of shared/tree.py's docstring: a, b under the root; c under a, d under b, e under c.
 PARENTS = [-1, -1, 0, 1, 2]

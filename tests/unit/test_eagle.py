@@ -241,7 +241,7 @@ def test_batched_teacher_features_equal_one_sequence_at_a_time(tmp_path):
     from services.train_draft_cmd import teacher_features
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from tests.parity.test_tiny_llama import save_tiny
+    from shared.testing.tiny_llama import save_tiny
     save_tiny(tmp_path, None)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4))
     seqs = [[3, 5, 7, 9, 11], [2, 4], [8, 1, 6, 6, 6, 6, 6, 1, 2]]
@@ -260,7 +260,7 @@ def test_features_cache_computes_only_new_sequences(tmp_path):
     from services.train_draft_cmd import cached_features, teacher_features
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from tests.parity.test_tiny_llama import save_tiny
+    from shared.testing.tiny_llama import save_tiny
     save_tiny(tmp_path, None)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4))
     path = str(tmp_path / "feats.pt")
@@ -286,7 +286,7 @@ def test_sampled_answers_are_seeded_cached_apart_from_greedy_and_reused(tmp_path
     from services.train_draft_cmd import generate_answers
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from tests.parity.test_tiny_llama import save_tiny
+    from shared.testing.tiny_llama import save_tiny
     save_tiny(tmp_path, None)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4))
     prompts = [[3, 5, 7], [2, 4, 6, 8], [9, 1]]
@@ -319,7 +319,7 @@ def test_training_answers_pick_greedy_and_the_named_sampled_rounds(tmp_path):
     from services.train_draft_cmd import TrainDraftConfig, generate_answers, training_answers
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    from tests.parity.test_tiny_llama import save_tiny
+    from shared.testing.tiny_llama import save_tiny
     save_tiny(tmp_path, None)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4))
     prompts = [[3, 5, 7], [2, 4, 6, 8]]

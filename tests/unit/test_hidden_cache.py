@@ -9,7 +9,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling_params import SamplingParams
 from shared.spec.factory import build_engine
-from tests.parity.test_speculative import PROMPTS, tiny, tiny_eagle  # noqa: F401 (fixtures)
+from shared.testing.tiny_llama import PROMPTS
 
 
 def _run(eng: LLMEngine, prompt: list[int]):

@@ -182,6 +182,14 @@ def test_tests_and_benchmarks_do_not_import_each_other():
     assert not crossing, "shared helpers belong in shared/testing:\n" + "\n".join(sorted(crossing))
 
 
+def test_test_modules_do_not_import_each_other():
+    """Helpers several tests need live in shared/testing, fixtures in tests/conftest.py."""
+    crossing = [f"{path.relative_to(ROOT)} imports {target}" for path in (ROOT / "tests").rglob("*.py")
+                for target in imports(path)
+                if target.startswith("tests.") and not (target + ".").startswith("tests.conftest.")]
+    assert not crossing, "shared helpers belong in shared/testing:\n" + "\n".join(sorted(crossing))
+
+
 def test_lines_are_at_most_120_characters():
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()

@@ -62,7 +62,7 @@ def test_pack_linears_replaces_bf16_cpu_linears_only(monkeypatch, onednn):
 def test_a_bf16_model_packs_its_linears_and_keeps_its_logits(tmp_path, monkeypatch):
     """build_model packs a bf16 CPU Llama (the LM head keeps its tensor); the logits equal an unpacked build's."""
     from shared.model import registry
-    from tests.parity.test_tiny_llama import save_tiny
+    from shared.testing.tiny_llama import save_tiny
 
     save_tiny(tmp_path, None, tie=False)
     packed, _ = registry.build_model(str(tmp_path), 64, torch.bfloat16, "cpu", progress=False)

@@ -10,7 +10,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
 from shared.testing.triton_cpu import interpreted
-from tests.paged_batches import MIXED, SHARE, make_batch, random_parents
+from shared.testing.paged_batches import MIXED, SHARE, make_batch, random_parents
 
 pat = PagedAttentionError = paged_attention_triton = None   # the interpreted module's, set by `kernels`
 

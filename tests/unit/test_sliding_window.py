@@ -10,7 +10,7 @@ import torch
 from shared.ops import cpu_attention
 from shared.ops.paged_attention import paged_attention_ref
 from shared.tree import ancestor_mask
-from tests.paged_batches import make_batch, random_parents
+from shared.testing.paged_batches import make_batch, random_parents
 
 # decodes, a prompt, a chunk after cached context, verifications, a 70-token prefill (past the C kernel's rows)
 LENS = [(1, 1), (17, 1), (40, 1), (20, 20), (50, 13), (37, 4), (33, 10), (90, 70)]

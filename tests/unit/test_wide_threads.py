@@ -8,8 +8,8 @@ import torch
 from shared.engine.config import WIDE_ROWS, EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.sampling_params import SamplingParams
-from tests.parity.test_tiny_llama import save_tiny
-from tests.unit.test_adaptive_k import PROMPT, Scripted
+from shared.testing.tiny_llama import save_tiny
+from shared.testing.scripted_proposer import PROMPT, Scripted
 
 K = WIDE_ROWS      # K + 1 rows per verification: a wide step
 
