@@ -1,0 +1,128 @@
+"""Speculative decoding in the engine's step: drafts asked of the proposer before the forward pass, verified from
+its logits after it (greedy, rejection sampling, or a tree's accepted path), rolled back, and the target's hidden
+states handed to proposers that read them."""
+from __future__ import annotations
+
+import torch
+
+from shared import telemetry
+from shared.engine.delta import Delta
+from shared.engine.rejection import verify_greedy, verify_sampled
+from shared.engine.sampler import probs_from_logits
+from shared.engine.sequence import Sequence
+from shared.tree import compaction, depths, is_chain, walk_greedy
+
+
+class SpeculationMixin:
+    """Part of LLMEngine (shared.engine.engine): reads its proposer, scheduler, block manager and runner."""
+
+    def _k_max(self, seq: Sequence) -> int:
+        p = seq.params
+        return self.cfg.num_speculative_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
+
+    def _spec_k(self, seq: Sequence) -> int:
+        p = seq.params
+        k_max = self._k_max(seq)
+        if k_max <= 0 or seq.request_id in self.beam_groups:
+            return 0
+        if seq.spec_k == 0:
+            seq.spec_k = k_max
+        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        if self.long_rope_after is not None and not seq.long_rope:   # no draft past the switch to the long factors
+            room = min(room, self.long_rope_after - len(seq))
+        return max(0, min(seq.spec_k, k_max, room))
+
+    def _propose(self) -> None:
+        limit = self.cfg.speculative_max_seqs
+        if limit and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
+            # a big batch: verifying drafts costs more than it saves (plain steps); sequences waiting join the next
+            # step, which would be plain, and a proposal now would keep them waiting for it (a burst's first one)
+            return
+        seqs, ks = [], []
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed == 1 and not seq.spec_tokens and seq.num_output_tokens > 0:
+                k = self._spec_k(seq)
+                if k:
+                    seqs.append(seq)
+                    ks.append(k)
+        if not seqs:
+            return
+        with telemetry.span_in("propose", telemetry.traced_contexts(seqs), {"upesi.seqs": len(seqs)}):
+            proposals = self.proposer.propose(seqs, ks)
+        for seq, (tokens, probs, parents) in zip(seqs, proposals):
+            if is_chain(parents):
+                parents = None
+            elif not seq.params.greedy:
+                continue                      # trees are verified greedily only: a sampled sequence decodes plainly
+            if tokens:
+                seq.token_ids.extend(tokens)
+                seq.spec_tokens, seq.spec_probs, seq.spec_parents = list(tokens), probs, parents
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> Delta:
+        """logits [K + 1, V] of a sequence that carried K draft tokens: accept, roll back, emit."""
+        draft, q, parents = seq.spec_tokens, seq.spec_probs, seq.spec_parents
+        p = seq.params
+        base = len(seq) - len(draft)                  # tokens before the drafts
+        depth = len(draft)
+        if parents is not None:                       # a tree: accept a path, move its KV next to the root
+            path, tok = walk_greedy(logits, draft, parents)
+            self.runner.move_kv(seq.block_table, [(base - 1 + a, base - 1 + b) for a, b in compaction(path)])
+            self.tree_paths[seq.seq_id] = path
+            n, depth = len(path), max(depths(parents))
+            draft = [draft[a] for a in path]
+        elif p.greedy:
+            n, tok = verify_greedy(logits, draft)
+        else:
+            probs = probs_from_logits(logits, torch.full((len(logits),), p.temperature),
+                                      torch.full((len(logits),), p.top_k), torch.full((len(logits),), p.top_p))
+            n, tok = verify_sampled(probs, q, draft, seq.generator)
+        num_draft = len(seq.spec_tokens)
+        del seq.token_ids[base:]
+        seq.spec_tokens, seq.spec_probs, seq.spec_parents = [], None, None
+        seq.num_draft_tokens += num_draft
+        seq.num_accepted_tokens += n
+        if seq.trace_ctx is not None and telemetry.ENABLED:
+            telemetry.span_between("verify", seq.trace_ctx, self._step_ns,
+                                   {"upesi.draft_tokens": num_draft, "upesi.accepted_tokens": n})
+        self.stats_draft += num_draft
+        self.stats_accepted += n
+        if self.cfg.adaptive_speculation:                                # adaptive K (a tree's K is its depth)
+            seq.spec_k = min(self._k_max(seq), seq.spec_k + 1) if n == depth else max(1, seq.spec_k - (n == 0))
+        emitted = []
+        for t in draft[:n] + [tok]:
+            seq.token_ids.append(t)
+            emitted.append(t)
+            reason = self._finish_reason(seq, t)
+            if reason:
+                break
+        seq.num_computed_tokens = min(base + n, len(seq) - 1)   # KV of rejected positions is dropped
+        self.block_manager.trim(seq)
+        self.block_manager.commit(seq)
+        if reason:
+            self.scheduler.finish(seq, reason)
+        return self._delta(seq, emitted)
+
+    def _hidden_starts(self, batch) -> list[int] | None:
+        """Where each sequence's rows begin, when the proposer reads the target's hidden states (else None)."""
+        if not getattr(self.proposer, "wants_hidden", False):
+            return None
+        self.runner.capture_hidden()
+        return [seq.num_computed_tokens for seq in batch.seqs]
+
+    def _hand_hidden(self, batch, starts: list[int]) -> None:
+        """Gives the proposer the hidden states [M, D] of each sequence's positions whose inputs were accepted:
+        every computed row of a plain step, the accepted drafts' rows + 1 of a verification (views, no copy)."""
+        hidden, row = self.runner.last_hidden, 0                       # [T, D]
+        for seq, n, start in zip(batch.seqs, batch.num_tokens, starts):
+            keep = min(n, seq.num_computed_tokens - start)
+            path = self.tree_paths.pop(seq.seq_id, None)
+            if keep > 0 and not seq.is_finished and seq.request_id not in self.beam_groups:
+                if 0 < start == seq.num_cached_tokens:                # a prefix-cache hit: its features, cached
+                    past = self.runner.cached_hidden(seq.block_table, start)
+                    if past is not None:
+                        self.proposer.accept_hidden(seq, 0, past)
+                rows = hidden[row:row + keep]
+                if path is not None:                                   # a tree: the root, then the accepted path
+                    rows = hidden[row:row + n][torch.tensor([0] + [1 + a for a in path][:keep - 1])]
+                self.proposer.accept_hidden(seq, start, rows)
+            row += n
