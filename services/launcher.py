@@ -288,15 +288,121 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 35.0) -> None:
         stop(procs[:-1])
 
 
+@dataclass(frozen=True, slots=True)
+class Child:
+    """A service the launcher starts, and starts again when it dies (its callers reconnect)."""
+    name: str
+    address: str
+    command: list[str]
+
+
+def _children(cfg: ServeConfig) -> list[Child]:
+    """The stack's restartable services in start order: expert shards, the draft service, targets, prefill targets.
+    A target that is restarted loses its running requests and its cache; the router routes around it meanwhile
+    (services/router/frontend.py) and takes it back once it answers."""
+    model = ["--model", cfg.model] if cfg.model else []
+    overrides = ["--hf-overrides", cfg.hf_overrides] if cfg.hf_overrides else []     # targets' and shards' models
+    threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
+    threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []
+    registry = ["--registry", cfg.registry] if cfg.registry else []
+    placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
+    quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # targets and shards alike
+    gguf = ["--dequantise-gguf"] if cfg.dequantise_gguf else []             # targets
+    out = []
+    # the shards share this machine's cores with the target
+    shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
+    for i, address in enumerate(cfg.expert_addresses()):
+        out.append(Child(f"expert shard {i}", address, [
+            "experts", "--address", address, "--shard-index", str(i), "--num-shards", str(cfg.expert_shards),
+            "--device", cfg.device, "--dtype", cfg.dtype, "--num-threads", shard_threads, *model, *overrides,
+            *placement, *quant, *_tls_args(cfg, client=False), "--metrics-port",
+            str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)]))
+    experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
+    if experts and cfg.rebalance_interval_s:
+        experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
+    spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
+            "--adaptive-speculation", str(cfg.adaptive_speculation).lower(),
+            "--speculative-max-seqs", str(cfg.speculative_max_seqs), "--stream-interval", str(cfg.stream_interval)]
+    confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
+    if cfg.draft_tree_nodes is not None:
+        confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]
+    if cfg.draft_tree_ngram is not None:
+        confidence += ["--draft-tree-ngram", str(cfg.draft_tree_ngram)]
+    if cfg.speculative:
+        spec += ["--speculative", cfg.speculative, *confidence]
+    if cfg.draft:
+        out.append(Child("draft service", cfg.draft_address, [
+            "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
+            "--dtype", cfg.dtype, *confidence, "--metrics-port", str(cfg.draft_metrics_port),
+            *_tls_args(cfg, client=True), *model, "--num-threads", str(cfg.draft_num_threads)]))
+    # an EAGLE head in the draft service reads every prompt's hidden states, also of prefixes cached before it
+    # first connected and of blocks a prefill target computed
+    hidden = ["--capture-hidden"] if (cfg.draft or "").startswith("eagle:") else []
+    common = ["--kv-cache-gb", str(cfg.kv_cache_gb), "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
+              "--dtype", cfg.dtype, *model, *overrides, *threads]
+    for i, address in enumerate(cfg.target_addresses()):
+        out.append(Child(f"target {i}", address, [
+            "target", "--address", address, "--replica-id", address, "--metrics-port", _metrics_port(cfg, i),
+            *common, *registry, *experts, *spec, *quant, *gguf, *cfg.kv_store_args(f"target-{i}", decode=True),
+            *hidden, *_tls_args(cfg, client=True)]))
+    for i, address in enumerate(cfg.prefill_addresses()):
+        out.append(Child(f"prefill target {i}", address, [
+            "target", "--address", address, "--replica-id", address,
+            *(["--kv-store-sync"] if cfg.kv_transfer == "store" else []),
+            "--metrics-port", _metrics_port(cfg, cfg.target_replicas + i), *common, *experts, *quant, *gguf,
+            *cfg.kv_store_args(f"prefill-{i}"), *hidden, *_tls_args(cfg, client=True)]))
+    return out
+
+
+def _metrics_port(cfg: ServeConfig, i: int) -> str:
+    """The /metrics port of the i-th target (decode targets first, then prefill targets); 0 = off."""
+    return str(cfg.target_metrics_port + i if cfg.target_metrics_port else 0)
+
+
+def _router_command(cfg: ServeConfig) -> list[str]:
+    return ["router", "--address", cfg.address, "--http-host", cfg.http_host, "--http-port", str(cfg.http_port),
+            "--target", ",".join(cfg.target_addresses()),
+            *(["--prefill-target", ",".join(cfg.prefill_addresses()), "--kv-transfer", cfg.kv_transfer]
+              if cfg.prefill_replicas else []),
+            *(["--draft", cfg.draft_address, "--speculative-max-requests", str(cfg.speculative_max_requests)]
+              if cfg.draft else []),
+            *(["--model", cfg.model] if cfg.model else []), *(["--registry", cfg.registry] if cfg.registry else []),
+            *_tls_args(cfg, client=True),
+            *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else [])]
+
+
+def _supervise(procs: list[subprocess.Popen], children: list[Child], env: dict[str, str] | None) -> None:
+    """Restarts the children (procs[:len(children)]) when they die, a child that dies within a minute of its start
+    after 1, 2, 4 ... 60 s; returns once a service that is not restarted (the router) has exited."""
+    started = {i: time.monotonic() for i in range(len(children))}
+    delay = {i: 0.0 for i in range(len(children))}
+    restart_at: dict[int, float] = {}
+    while True:
+        now = time.monotonic()
+        for i, child in enumerate(children):
+            if procs[i].poll() is None:
+                continue
+            if i not in restart_at:
+                delay[i] = min(60.0, max(1.0, 2 * delay[i])) if now - started[i] < 60 else 0.0
+                restart_at[i] = now + delay[i]
+                print(f"upesi: {child.name} exited (code {procs[i].returncode}); restarting it"
+                      + (f" in {delay[i]:.0f} s" if delay[i] else ""), file=sys.stderr, flush=True)
+            if now >= restart_at[i]:
+                del restart_at[i]
+                procs[i], started[i] = _child(child.command, env), now
+                print(f"upesi: {child.name} on {child.address} (pid {procs[i].pid})", flush=True)
+        dead = [p for p in procs[len(children):] if p.poll() is not None]
+        if dead:
+            print(f"upesi: a service exited (code {dead[0].returncode}); stopping the stack", file=sys.stderr)
+            return
+        time.sleep(0.5)
+
+
 def main(args: argparse.Namespace) -> None:
     cfg = config_from_args(ServeConfig, args)
     # the services of this stack serve one another only: one token for them all, handed down in the environment
     # (never on a command line, where `ps` shows it); a value set beforehand is kept
     os.environ.setdefault(internal_token.ENV, secrets.token_hex(32))
-    model = ["--model", cfg.model] if cfg.model else []
-    overrides = ["--hf-overrides", cfg.hf_overrides] if cfg.hf_overrides else []     # targets' and shards' models
-    threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
-    threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []
     procs: list[subprocess.Popen] = []
     stopping = False
 
@@ -310,107 +416,19 @@ def main(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        registry = ["--registry", cfg.registry] if cfg.registry else []
-        placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
-        quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # targets and shards alike
-        gguf = ["--dequantise-gguf"] if cfg.dequantise_gguf else []             # targets
         env = _turns_env(cfg, _expert_env(cfg))
-        # the shards share this machine's cores with the target
-        shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
-        # services the launcher restarts when they die: index in procs -> (name, address, command)
-        restartable: dict[int, tuple[str, str, list[str]]] = {}
-        for i, address in enumerate(cfg.expert_addresses()):
-            command = ["experts", "--address", address, "--shard-index", str(i),
-                       "--num-shards", str(cfg.expert_shards), "--device", cfg.device, "--dtype", cfg.dtype,
-                       "--num-threads", shard_threads, *model, *overrides, *placement, *quant,
-                       *_tls_args(cfg, client=False), "--metrics-port",
-                       str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)]
-            restartable[len(procs)] = (f"expert shard {i}", address, command)
-            procs.append(_child(restartable[len(procs)][2], env))
-            print(f"upesi: expert shard {i} on {address} (pid {procs[-1].pid})", flush=True)
-        experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
-        if experts and cfg.rebalance_interval_s:
-            experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
-        spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
-                "--adaptive-speculation", str(cfg.adaptive_speculation).lower(),
-                "--speculative-max-seqs", str(cfg.speculative_max_seqs), "--stream-interval", str(cfg.stream_interval)]
-        confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
-        if cfg.draft_tree_nodes is not None:
-            confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]
-        if cfg.draft_tree_ngram is not None:
-            confidence += ["--draft-tree-ngram", str(cfg.draft_tree_ngram)]
-        if cfg.speculative:
-            spec += ["--speculative", cfg.speculative, *confidence]
-        if cfg.draft:
-            restartable[len(procs)] = ("draft service", cfg.draft_address, [
-                "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
-                "--dtype", cfg.dtype, *confidence,
-                "--metrics-port", str(cfg.draft_metrics_port), *_tls_args(cfg, client=True), *model,
-                "--num-threads", str(cfg.draft_num_threads)])
-            procs.append(_child(restartable[len(procs)][2], env))
-        # an EAGLE head in the draft service reads every prompt's hidden states, also of prefixes cached before it
-        # first connected and of blocks a prefill target computed
-        hidden = ["--capture-hidden"] if (cfg.draft or "").startswith("eagle:") else []
-        for i, address in enumerate(cfg.target_addresses()):
-            metrics_port = cfg.target_metrics_port + i if cfg.target_metrics_port else 0
-            # a target is restarted too: it loses its running requests and its cache, the router routes around
-            # it meanwhile (services/router/frontend.py) and takes it back once it answers
-            restartable[len(procs)] = (f"target {i}", address, [
-                "target", "--address", address, "--replica-id", address,
-                "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
-                "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *overrides, *threads, *registry, *experts, *spec, *quant, *gguf,
-                *cfg.kv_store_args(f"target-{i}", decode=True),
-                *hidden,
-                *_tls_args(cfg, client=True)])
-            procs.append(_child(restartable[len(procs)][2], env))
-        for i, address in enumerate(cfg.prefill_addresses()):
-            j = cfg.target_replicas + i
-            metrics_port = cfg.target_metrics_port + j if cfg.target_metrics_port else 0
-            restartable[len(procs)] = (f"prefill target {i}", address, [
-                "target", "--address", address, "--replica-id", address,
-                *(["--kv-store-sync"] if cfg.kv_transfer == "store" else []),
-                "--metrics-port", str(metrics_port), "--kv-cache-gb", str(cfg.kv_cache_gb),
-                "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device, "--dtype", cfg.dtype,
-                *model, *overrides, *threads, *experts, *quant, *gguf, *cfg.kv_store_args(f"prefill-{i}"), *hidden,
-                *_tls_args(cfg, client=True)])
-            procs.append(_child(restartable[len(procs)][2], env))
+        children = _children(cfg)
+        for child in children:
+            procs.append(_child(child.command, env))
+            if child.name.startswith("expert shard"):
+                print(f"upesi: {child.name} on {child.address} (pid {procs[-1].pid})", flush=True)
         for address in cfg.prefill_addresses():      # the router uses a prefill target once it answers
             _wait_healthy(address, procs, cfg.ready_timeout_s, _client_tls(cfg))
-        procs.append(_child(["router", "--address", cfg.address, "--http-host", cfg.http_host,
-                             "--http-port", str(cfg.http_port), "--target", ",".join(cfg.target_addresses()),
-                             *(["--prefill-target", ",".join(cfg.prefill_addresses()),
-                                "--kv-transfer", cfg.kv_transfer] if cfg.prefill_replicas else []),
-                             *(["--draft", cfg.draft_address, "--speculative-max-requests",
-                                str(cfg.speculative_max_requests)] if cfg.draft else []),
-                             *model, *registry, *_tls_args(cfg, client=True),
-                             *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else [])]))
+        procs.append(_child(_router_command(cfg)))
         _wait_healthy(cfg.address, procs, cfg.ready_timeout_s, _client_tls(cfg))
         print(f"upesi: serving on grpc://{cfg.address} and http://{cfg.http_host}:{cfg.http_port} "
               "(Ctrl-C to stop)", flush=True)
-        # a service that dies within a minute of its start waits 1, 2, 4 ... 60 s before the next one
-        started = {i: time.monotonic() for i in restartable}
-        delay = {i: 0.0 for i in restartable}
-        restart_at: dict[int, float] = {}
-        while True:
-            now = time.monotonic()
-            for i, (shard, address, command) in restartable.items():   # restart it; its callers reconnect
-                if procs[i].poll() is None:
-                    continue
-                if i not in restart_at:
-                    delay[i] = min(60.0, max(1.0, 2 * delay[i])) if now - started[i] < 60 else 0.0
-                    restart_at[i] = now + delay[i]
-                    print(f"upesi: {shard} exited (code {procs[i].returncode}); restarting it"
-                          + (f" in {delay[i]:.0f} s" if delay[i] else ""), file=sys.stderr, flush=True)
-                if now >= restart_at[i]:
-                    del restart_at[i]
-                    procs[i], started[i] = _child(command, env), now
-                    print(f"upesi: {shard} on {address} (pid {procs[i].pid})", flush=True)
-            if any(p.poll() is not None for i, p in enumerate(procs) if i not in restartable):
-                break
-            time.sleep(0.5)
-        dead = [p for i, p in enumerate(procs) if i not in restartable and p.poll() is not None]
-        print(f"upesi: a service exited (code {dead[0].returncode}); stopping the stack", file=sys.stderr)
+        _supervise(procs, children, env)
         code = 1
     except KeyboardInterrupt:
         code = 0
