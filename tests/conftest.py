@@ -96,12 +96,9 @@ def stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    """The tiny random Llama of shared.testing.tiny_llama, saved for a module's tests."""
-    from shared.testing.tiny_llama import save_tiny
-    path = tmp_path_factory.mktemp("tiny-spec")
-    save_tiny(path, None)
-    return str(path)
+def tiny(tiny_llama_dir) -> str:
+    """The tiny random Llama (tiny_llama_dir), as the speculative tests name it."""
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")

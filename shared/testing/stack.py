@@ -55,13 +55,15 @@ def spawn(args: list[str], log) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
-def wait_healthy(address: str, timeout_s: float = 300) -> None:
-    """Until the gRPC health check at `address` answers SERVING (TimeoutError after timeout_s)."""
+def wait_healthy(address: str, timeout_s: float = 300, procs: list[subprocess.Popen] | None = None) -> None:
+    """Until the gRPC health check at `address` answers SERVING (TimeoutError after timeout_s); AssertionError as
+    soon as one of `procs` exits."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as ch:
         while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs or []), "a service exited while starting"
             try:
                 if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
                     return

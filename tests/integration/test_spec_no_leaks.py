@@ -18,6 +18,7 @@ import grpc
 import pytest
 import torch
 
+from shared.testing.stack import wait_healthy
 from tests.conftest import ROOT, free_port
 from upesi.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -37,21 +38,6 @@ def save_llama(path, seed: int, layers: int) -> None:
     with torch.no_grad():
         model.lm_head.weight.mul_(4)
     model.save_pretrained(path)
-
-
-def wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float = 300) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        while time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), "a service exited while starting"
-            try:
-                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise TimeoutError(address)
 
 
 def draft_held(port: int) -> tuple[float, float]:
@@ -75,8 +61,8 @@ def test_no_leaks_after_100_speculative_requests_with_cancellations(tmp_path):
                                    "--num-threads", "1", "--progress", "false"],
                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     try:
-        wait_healthy(draft, procs)
-        wait_healthy(target, procs)
+        wait_healthy(draft, procs=procs)
+        wait_healthy(target, procs=procs)
         counts = {"done": 0, "cancelled": 0, "drafted": 0}
         errors: list[str] = []
         lock = threading.Lock()
