@@ -96,3 +96,39 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
 // x [M, K] bf16 rows (ldx apart), desc: the packed weight [N, K], bias [N] bf16 or NULL -> y [M, N] bf16 (ldy
 // apart): upesi_qgemm; y fp32: upesi_qgemm_f32.
 QGEMM_ENTRY_POINTS(upesi_qgemm, upesi_qgemm_f32)
+
+// The weight dequantised, transposed: wt [K, N] bf16 (ldw apart), each w = (e - shift) * scale' + min computed in
+// fp32 (one fused multiply-add) and rounded once to bf16. For a prefill's many rows a bf16 matmul over it beats
+// expanding the codes again for every few rows.
+void upesi_qgemm_dequant(const int64_t *desc, int64_t n, uint16_t *wt, int64_t ldw, int threads) {
+    qdesc q = read_desc(desc);
+    int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;
+    const __m512i high_half = _mm512_set1_epi32((int32_t)0xFFFF0000);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
+    for (int64_t u = 0; u < units; u++) {
+        __m512bh buf[32];
+        const uint8_t *rec = q.data + u * q.nb * q.record;
+        for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
+            __m512 sc[2], mn[2];
+            expand(rec, q.kind, q.bkk, q.table, q.high, buf);
+            block_scales(&q, rec, sc, mn);
+            for (int p = 0; p < 2; p++) {
+                int64_t c0 = u * UNIT + 16 * p, left = n - c0;
+                if (left <= 0)
+                    break;
+                __mmask16 msk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+                __m512 shift = _mm512_set1_ps(q.shift);
+                for (int kk = 0; kk < q.bkk; kk++) {
+                    __m512i v = (__m512i)buf[2 * kk + p];        // lane c: features (2kk, 2kk + 1) of column c0 + c
+                    __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                    __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+                    __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(lo, shift), sc[p], mn[p]);
+                    __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(hi, shift), sc[p], mn[p]);
+                    int64_t k = b * bf + 2 * kk;
+                    _mm256_mask_storeu_epi16(wt + k * ldw + c0, msk, (__m256i)_mm512_cvtneps_pbh(w0));
+                    _mm256_mask_storeu_epi16(wt + (k + 1) * ldw + c0, msk, (__m256i)_mm512_cvtneps_pbh(w1));
+                }
+            }
+        }
+    }
+}

@@ -92,6 +92,27 @@ def test_zero_and_subnormal_blocks() -> None:
     assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wide_bf16_calls_multiply_the_weight_dequantised_to_bf16(fmt: str) -> None:
+    """A prefill's chunk (WIDE_ROWS rows or more, bf16): the weight dequantised in C to bf16 (each value the
+    reference's rounded once, up to a fused multiply-add's last bit before it), then torch's bf16 matmul."""
+    kind, block, has_min, _ = FORMATS[fmt]
+    g = torch.Generator().manual_seed(7)
+    n, k = 70, 96                                                  # a partial unit of columns
+    bq = qgemm.example(kind, n, k, block, g, has_min)
+    w = QWeight(bq)
+    ref = bq.dequantise().t()                                      # [K, N] fp32
+    got = qgemm.dequantise_bf16(w)
+    assert got.shape == (k, n) and got.dtype == torch.bfloat16
+    assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -8).all()
+    assert (got == ref.bfloat16()).float().mean() > 0.999
+    x = torch.randn(qgemm.WIDE_ROWS, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    torch.testing.assert_close(qgemm.run(x, w, bias), x @ got + bias.bfloat16(), rtol=0, atol=0)
+    narrow = qgemm.run(x[:8], w, bias)                            # fewer rows: the codes, exactly
+    torch.testing.assert_close(narrow.float(), x[:8].float() @ ref + bias.bfloat16().float(), rtol=2e-2, atol=2e-2)
+
+
 def test_split_bf16_is_exact() -> None:
     x = torch.randn(1000) * torch.logspace(-20, 20, 1000)
     parts = qgemm.split_bf16(x.view(1, -1))
