@@ -140,17 +140,27 @@ class EagleProposer:
                                                   min(self.tree_width, nodes), nodes)):
                 # the graft adds at most half the node budget
                 out[live[r]] = self._graft(seqs[live[r]], prop, min(ks[live[r]], self.tree_ngram), nodes // 2)
-        # 3) the others: up to K draft steps; step j > 0 feeds back the predicted feature and drafted token. A row
-        # stops early once the head's own probability of its draft path (the product of its tokens' probabilities)
-        # would fall below min_confidence: the head is well calibrated, so unlikely drafts are not worth their step.
-        tokens: list[list[int]] = [[] for _ in live]
-        probs: list[list[torch.Tensor]] = [[] for _ in live]
-        path = [1.0] * len(live)
-        rows = [r for r in range(len(live)) if r not in in_tree]     # rows still drafting
-        last = last[rows]
-        for step in range(max(ks[i] for i in live) if rows else 0):
+        # 3) the others: chains
+        rows = [r for r in range(len(live)) if r not in in_tree]
+        if rows:
+            for r, prop in zip(rows, self._draft_chains([seqs[live[r]] for r in rows], [ks[live[r]] for r in rows],
+                                                        [states[r] for r in rows], last[rows])):
+                out[live[r]] = prop
+        return out
+
+    def _draft_chains(self, seqs: list[Sequence], ks: list[int], states: list[HeadState], last: torch.Tensor
+                      ) -> list[Proposal]:
+        """Up to K draft steps per sequence (last [B, D]: each one's predicted feature); step j > 0 feeds back the
+        predicted feature and drafted token. A row stops early once the head's own probability of its draft path
+        (the product of its tokens' probabilities) would fall below min_confidence: the head is well calibrated, so
+        unlikely drafts are not worth their step."""
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        path = [1.0] * len(seqs)
+        rows = list(range(len(seqs)))                                # rows still drafting
+        for step in range(max(ks)):
             logits = self.head.logits(last)                          # [R, N]
-            drafted = self._choose(logits, [seqs[live[b]] for b in rows], [states[b] for b in rows])
+            drafted = self._choose(logits, [seqs[b] for b in rows], [states[b] for b in rows])
             if self.min_confidence:
                 conf = logits.softmax(-1)[torch.arange(len(rows)), torch.tensor([j for _, _, j in drafted])].tolist()
             go = []
@@ -162,7 +172,7 @@ class EagleProposer:
                 tokens[b].append(tok)
                 if q is not None:
                     probs[b].append(q)
-                if step + 1 < ks[live[b]]:
+                if step + 1 < ks[b]:
                     go.append(r)
             if not go:
                 break
@@ -171,10 +181,7 @@ class EagleProposer:
             sub = [states[b] for b in rows]
             npos = [torch.tensor([st.origin + len(st.k)]) for st in sub]
             last = self._run(sub, [last[r][None] for r in go], nxt, npos)
-        for b, i in enumerate(live):
-            if b not in in_tree:
-                out[i] = Proposal(tokens[b], torch.stack(probs[b]) if probs[b] else None)
-        return out
+        return [Proposal(t, torch.stack(q) if q else None) for t, q in zip(tokens, probs)]
 
     @staticmethod
     def _graft(seq: Sequence, prop: Proposal, length: int, max_new: int) -> Proposal:
