@@ -1,0 +1,107 @@
+"""The command lines `upesi serve` starts its services with: each restartable child (expert shards, the draft
+service, targets, prefill targets) and the router, built from the serve config (services/launcher.py starts and
+supervises them)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from services.serve_config import ServeConfig
+
+
+def tls_args(cfg: ServeConfig, client: bool) -> list[str]:
+    """TLS flags of a child: the same certificate serves and, with mutual TLS, is presented as a client certificate.
+    `client`: the child calls other services (router, target)."""
+    if not cfg.tls_cert:
+        return []
+    out = ["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key]
+    if cfg.tls_client_auth:
+        out += ["--tls-client-ca", cfg.tls_ca]
+    if client:
+        out += ["--tls-ca", cfg.tls_ca]
+        if cfg.tls_client_auth:
+            out += ["--tls-client-cert", cfg.tls_cert, "--tls-client-key", cfg.tls_key]
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """A service the launcher starts, and starts again when it dies (its callers reconnect)."""
+    name: str
+    address: str
+    command: list[str]
+
+
+def children(cfg: ServeConfig) -> list[Child]:
+    """The stack's restartable services in start order: expert shards, the draft service, targets, prefill targets.
+    A target that is restarted loses its running requests and its cache; the router routes around it meanwhile
+    (services/router/frontend.py) and takes it back once it answers."""
+    model = ["--model", cfg.model] if cfg.model else []
+    overrides = ["--hf-overrides", cfg.hf_overrides] if cfg.hf_overrides else []     # targets' and shards' models
+    threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
+    threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []
+    registry = ["--registry", cfg.registry] if cfg.registry else []
+    placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
+    quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # targets and shards alike
+    gguf = ["--dequantise-gguf"] if cfg.dequantise_gguf else []             # targets
+    out = []
+    # the shards share this machine's cores with the target
+    shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
+    for i, address in enumerate(cfg.expert_addresses()):
+        out.append(Child(f"expert shard {i}", address, [
+            "experts", "--address", address, "--shard-index", str(i), "--num-shards", str(cfg.expert_shards),
+            "--device", cfg.device, "--dtype", cfg.dtype, "--num-threads", shard_threads, *model, *overrides,
+            *placement, *quant, *tls_args(cfg, client=False), "--metrics-port",
+            str(cfg.expert_metrics_port + i if cfg.expert_metrics_port else 0)]))
+    experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
+    if experts and cfg.rebalance_interval_s:
+        experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
+    spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
+            "--adaptive-speculation", str(cfg.adaptive_speculation).lower(),
+            "--speculative-max-seqs", str(cfg.speculative_max_seqs), "--stream-interval", str(cfg.stream_interval)]
+    confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
+    if cfg.draft_tree_nodes is not None:
+        confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]
+    if cfg.draft_tree_ngram is not None:
+        confidence += ["--draft-tree-ngram", str(cfg.draft_tree_ngram)]
+    if cfg.speculative:
+        spec += ["--speculative", cfg.speculative, *confidence]
+    if cfg.draft:
+        out.append(Child("draft service", cfg.draft_address, [
+            "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
+            "--dtype", cfg.dtype, *confidence, "--metrics-port", str(cfg.draft_metrics_port),
+            *tls_args(cfg, client=True), *model, "--num-threads", str(cfg.draft_num_threads)]))
+    # an EAGLE head in the draft service reads every prompt's hidden states, also of prefixes cached before it
+    # first connected and of blocks a prefill target computed
+    hidden = ["--capture-hidden"] if (cfg.draft or "").startswith("eagle:") else []
+    common = ["--kv-cache-gb", str(cfg.kv_cache_gb), "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
+              "--dtype", cfg.dtype, *model, *overrides, *threads]
+    for i, address in enumerate(cfg.target_addresses()):
+        out.append(Child(f"target {i}", address, [
+            "target", "--address", address, "--replica-id", address, "--metrics-port", metrics_port(cfg, i),
+            *common, *registry, *experts, *spec, *quant, *gguf, *cfg.kv_store_args(f"target-{i}", decode=True),
+            *hidden, *tls_args(cfg, client=True)]))
+    for i, address in enumerate(cfg.prefill_addresses()):
+        out.append(Child(f"prefill target {i}", address, [
+            "target", "--address", address, "--replica-id", address,
+            *(["--kv-store-sync"] if cfg.kv_transfer == "store" else []),
+            "--metrics-port", metrics_port(cfg, cfg.target_replicas + i), *common, *experts, *quant, *gguf,
+            *cfg.kv_store_args(f"prefill-{i}"), *hidden, *tls_args(cfg, client=True)]))
+    return out
+
+
+def metrics_port(cfg: ServeConfig, i: int) -> str:
+    """The /metrics port of the i-th target (decode targets first, then prefill targets); 0 = off."""
+    return str(cfg.target_metrics_port + i if cfg.target_metrics_port else 0)
+
+
+def router_command(cfg: ServeConfig) -> list[str]:
+    return ["router", "--address", cfg.address, "--http-host", cfg.http_host, "--http-port", str(cfg.http_port),
+            "--target", ",".join(cfg.target_addresses()),
+            *(["--prefill-target", ",".join(cfg.prefill_addresses()), "--kv-transfer", cfg.kv_transfer]
+              if cfg.prefill_replicas else []),
+            *(["--draft", cfg.draft_address, "--speculative-max-requests", str(cfg.speculative_max_requests)]
+              if cfg.draft else []),
+            *(["--model", cfg.model] if cfg.model else []), *(["--registry", cfg.registry] if cfg.registry else []),
+            *tls_args(cfg, client=True),
+            *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else [])]
