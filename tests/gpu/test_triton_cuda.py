@@ -175,3 +175,36 @@ def test_nvfp4_gemm_default_tiles(m: int, dtype: torch.dtype) -> None:
     y = nvfp4_matmul(x.to(CUDA), wc)
     atol = 1e-5 * 2048 ** 0.5 * ref.abs().max().item()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=2 * ULP[dtype] + 1e-6, atol=atol)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16], ids=str)
+@pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536), (1000, 2064), (4096, 2048)], ids=str)
+@pytest.mark.parametrize("split_k", [None, 1, 5], ids=str)
+def test_nvfp4_gemv(m: int, n: int, k: int, split_k: int | None) -> None:
+    """The few-row kernel compiled, against the dequantised product: bf16 rows, K split or not (K not a multiple of
+    the tile in 2064)."""
+    from shared.quant.nvfp4_triton import nvfp4_gemv
+    g = torch.Generator().manual_seed(m + n + k)
+    w = quantise_weight(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g).bfloat16()
+    ref = x.float() @ w.dequantise(torch.float32).T
+    wc = NVFP4Weight(w.packed.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA))
+    y = nvfp4_gemv(x.to(CUDA), wc, split_k=split_k)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16 and y.is_cuda
+    atol = 1e-5 * k ** 0.5 * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=2 * ULP[torch.bfloat16] + 1e-6, atol=atol)
+
+
+def test_nvfp4_gemv_exact_operands() -> None:
+    """Every e4m3 scale and E2M1 code with integer activations: the compiled GEMV equals the product bit for bit."""
+    from shared.quant.nvfp4_triton import nvfp4_gemv
+    g = torch.Generator().manual_seed(3)
+    k = 4096
+    one_scale = torch.arange(0, 0x7F, dtype=torch.uint8)[:, None].expand(-1, k // 16).contiguous()  # [127, B]
+    packed = torch.randint(0, 256, (127, k // 2), dtype=torch.uint8, generator=g)
+    w = NVFP4Weight(packed, one_scale.view(torch.float8_e4m3fn), torch.tensor([0.5]))
+    wc = NVFP4Weight(w.packed.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA))
+    for m in (1, 5, 16):
+        x = torch.randint(-3, 4, (m, k), generator=g).float()
+        for split_k in (1, 4):
+            assert torch.equal(nvfp4_gemv(x.to(CUDA), wc, split_k=split_k).cpu(), x @ w.dequantise().T)

@@ -7,16 +7,17 @@ from shared.quant.nvfp4 import NVFP4ShapeError, NVFP4Weight, quantise_weight
 from shared.quant.nvfp4_linear import nvfp4_linear
 from shared.testing.triton_cpu import interpreted
 
-NVFP4DeviceError = nvfp4_matmul = None                      # the interpreted module's, set by `kernels`
+NVFP4DeviceError = nvfp4_matmul = nvfp4_gemv = None       # the interpreted module's, set by `kernels`
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     """The kernel module under TRITON_INTERPRET=1 for this module's tests only."""
-    global NVFP4DeviceError, nvfp4_matmul
+    global NVFP4DeviceError, nvfp4_matmul, nvfp4_gemv
     with interpreted("shared.quant.nvfp4_triton") as (mod,):
         assert isinstance(mod._nvfp4_gemm_kernel, InterpretedFunction)
-        NVFP4DeviceError, nvfp4_matmul = mod.NVFP4DeviceError, mod.nvfp4_matmul
+        assert isinstance(mod._nvfp4_gemv_kernel, InterpretedFunction)
+        NVFP4DeviceError, nvfp4_matmul, nvfp4_gemv = mod.NVFP4DeviceError, mod.nvfp4_matmul, mod.nvfp4_gemv
         yield
 
 
@@ -67,3 +68,44 @@ def test_leading_dims_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(NVFP4DeviceError):
         nvfp4_matmul(x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (2, 48, 96), (5, 70, 160), (16, 33, 272), (1, 200, 1040)])
+@pytest.mark.parametrize("split_k", [None, 1, 3], ids=str)
+def test_gemv_matches_torch_reference(m: int, n: int, k: int, dtype: torch.dtype, split_k: int | None) -> None:
+    """The few-row kernel: tails in N and K (K not a multiple of its tile), 1 to 16 rows, K split over programs
+    (by default the interpreter counts 4 multiprocessors, so small products split too)."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = quantise_weight(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    y = nvfp4_gemv(x, w, split_k=split_k)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = x.float() @ w.dequantise(torch.float32).T                        # [M, N] in fp32
+    torch.testing.assert_close(y.float(), ref, rtol=2 * ULP[dtype] + 1e-6, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(nvfp4_matmul(x, w), y, rtol=0, atol=1e-5 * k ** 0.5)     # the tiled kernel
+
+
+def test_gemv_zero_and_subnormal_blocks() -> None:
+    """Every e4m3 scale bit pattern (zero and subnormals included) and every code, with integer activations:
+    exact sums, so the GEMV kernel equals the dequantised product bit for bit, split or not."""
+    g = torch.Generator().manual_seed(1)
+    k = 160
+    one_scale = torch.arange(0, 0x7F, dtype=torch.uint8)[:, None].expand(-1, k // 16).contiguous()  # [127, B]
+    packed = torch.randint(0, 256, (127, k // 2), dtype=torch.uint8, generator=g)
+    packed[::5] = 0                                                        # whole rows of zero codes
+    w = NVFP4Weight(packed, one_scale.view(torch.float8_e4m3fn), torch.tensor([0.5]))
+    for m in (1, 3, 16):
+        x = torch.randint(-3, 4, (m, k), generator=g).float()
+        for split_k in (1, 2, 5):
+            assert torch.equal(nvfp4_gemv(x, w, block_k=32, split_k=split_k), x @ w.dequantise().T)
+
+
+def test_gemv_errors() -> None:
+    w = quantise_weight(torch.randn(16, 64))
+    with pytest.raises(NVFP4ShapeError):
+        nvfp4_gemv(torch.randn(17, 64), w)
+    with pytest.raises(NVFP4ShapeError):
+        nvfp4_gemv(torch.randn(1, 64), w, block_k=48)
+    with pytest.raises(NVFP4ShapeError):
+        nvfp4_gemv(torch.randn(1, 32), w)
