@@ -19,6 +19,14 @@ class SamplingParams:
     beam_width: int = 0               # > 1: beam search (greedy over the beams' cumulative log-probability)
     num_speculative_tokens: int | None = None   # K for this request (0 = off, None = the deployment default)
     cache_salt: str = ""              # part of every block hash: requests with different salts never share KV
+    # logits processing (shared/engine/logits_processing.py), vLLM's semantics
+    presence_penalty: float = 0.0     # [-2, 2]: minus this for every token already in the output
+    frequency_penalty: float = 0.0    # [-2, 2]: minus this times the token's count in the output
+    repetition_penalty: float = 1.0   # > 0: tokens of prompt or output: positive logits divided, negative multiplied
+    min_p: float = 0.0                # [0, 1]: drop tokens below min_p times the most likely one's probability
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit, [-100, 100]
+    min_tokens: int = 0               # EOS and stop_token_ids are masked until the output has this many tokens
+    logprobs: int | None = None       # per token: the chosen one's log-probability and the top N (0 to 20)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:      # also catches NaN
@@ -39,6 +47,36 @@ class SamplingParams:
             raise InvalidRequest("beam search returns one answer: use n = 1 with beam_width > 1")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequest(f"seed must be in [0, 2^63), got {self.seed}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 100:
+            raise InvalidRequest(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be between 0 and 1, got {self.min_p}")
+        if len(self.logit_bias) > 1024:
+            raise InvalidRequest(f"logit_bias may name at most 1024 tokens, got {len(self.logit_bias)}")
+        for tok, bias in self.logit_bias.items():
+            if not (isinstance(tok, int) and tok >= 0):
+                raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            if not -100 <= bias <= 100:
+                raise InvalidRequest(f"logit_bias values must be between -100 and 100, got {bias} for token {tok}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
+                                 f"got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequest(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.beam_width > 1 and (self.processed or self.logprobs is not None):
+            raise InvalidRequest("beam search takes no penalties, logit_bias, min_tokens or logprobs")
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, logit_bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -46,7 +46,7 @@ class DraftClient:
             call = self.stub.Generate(draft_pb2.DraftGenerateRequest(
                 target=target.address, request=target_request(request_id, prompt, params)), timeout=timeout)
             async for out in read_steps(call, params.n):
-                for index, tokens, _ in out.deltas:
+                for index, tokens, *_ in out.deltas:
                     have[index] = have.get(index, 0) + len(tokens)
                 yield out
             return
@@ -81,10 +81,10 @@ class DraftClient:
         """The target's replay of the request from its first token, less what the caller already has."""
         async for out in target.generate(request_id, prompt, params, timeout, attach=True):
             deltas = []
-            for index, tokens, reason in out.deltas:
+            for index, tokens, reason, lps in out.deltas:
                 skip = min(have.get(index, 0), len(tokens))
                 have[index] = have.get(index, 0) - skip
-                deltas.append((index, tokens[skip:], reason))
+                deltas.append((index, tokens[skip:], reason, None if lps is None else lps[skip:]))
             out.deltas = deltas
             yield out
 

@@ -17,7 +17,7 @@ from services.router.config import RouterConfig
 from services.router.draft_client import DraftClient
 from services.router.limits import Caller
 from services.router.spec_guard import SpeculationGuard
-from services.router.target_client import TargetClient, TargetInfo
+from services.router.target_client import Logprob, TargetClient, TargetInfo
 from shared import metrics
 from shared.errors import Draining, InvalidRequest, Overloaded, PeerUnavailable
 from shared.kv.hashing import cache_extra, hash_chain
@@ -34,6 +34,7 @@ class GenerationInput:
     """A client's request, as parsed from protobuf or JSON."""
     prompt: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)   # a prompt given as token ids
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -45,6 +46,14 @@ class GenerationInput:
     cache_salt: str = ""
     beam_width: int | None = None
     num_speculative_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None              # top N per token (0: the chosen token's only); None: none
 
 
 @dataclass(slots=True)
@@ -53,6 +62,7 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[Logprob] | None = None        # per token of token_ids: (logprob, top ids, top logprobs)
 
 
 @dataclass(slots=True)
@@ -109,24 +119,17 @@ class Frontend:
             return None
         return min(up, key=lambda d: d.in_flight)
 
-    def prepare(self, inp: GenerationInput, caller: Caller) -> tuple[list[int], SamplingParams]:
-        """Validates and tokenises within the caller's limits; raises InvalidRequest with a message a person can
-        act on."""
-        if inp.prompt and inp.messages:
-            raise InvalidRequest("give either prompt or messages, not both")
-        if not inp.prompt and not inp.messages:
-            raise InvalidRequest("the request has no prompt and no messages")
-        if inp.max_tokens is not None and inp.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {inp.max_tokens}")
-        n = 1 if inp.n is None else inp.n
-        if not 1 <= n <= self.cfg.max_n:
-            raise InvalidRequest(f"n must be between 1 and {self.cfg.max_n}, got {n}")
-        if inp.beam_width is not None and inp.beam_width > self.cfg.max_n:
-            raise InvalidRequest(f"beam_width must be at most {self.cfg.max_n}, got {inp.beam_width}")
-        if len(inp.cache_salt) > 256:
-            raise InvalidRequest("cache_salt is longer than 256 characters")
-        if len(inp.stop) > self.cfg.max_stop_strings:
-            raise InvalidRequest(f"at most {self.cfg.max_stop_strings} stop strings, got {len(inp.stop)}")
+    def _prompt_ids(self, inp: GenerationInput) -> list[int]:
+        """The prompt's token ids: given, the chat rendered with the model's template, or the text encoded."""
+        given = sum(map(bool, (inp.prompt, inp.messages, inp.prompt_ids)))
+        if given != 1:
+            raise InvalidRequest("the request has no prompt and no messages" if not given else
+                                 "give one of prompt, messages or prompt token ids, not several")
+        if inp.prompt_ids:
+            vocab = self.info.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in inp.prompt_ids):
+                raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+            return list(inp.prompt_ids)
         for m in inp.messages:
             if not isinstance(m.get("content"), str):
                 raise InvalidRequest("every message needs a string content")
@@ -138,6 +141,23 @@ class Frontend:
         ids = self.tok.apply_chat_template(inp.messages) if inp.messages else self.tok.encode(inp.prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenisation")
+        return ids
+
+    def prepare(self, inp: GenerationInput, caller: Caller) -> tuple[list[int], SamplingParams]:
+        """Validates and tokenises within the caller's limits; raises InvalidRequest with a message a person can
+        act on."""
+        if inp.max_tokens is not None and inp.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {inp.max_tokens}")
+        n = 1 if inp.n is None else inp.n
+        if not 1 <= n <= self.cfg.max_n:
+            raise InvalidRequest(f"n must be between 1 and {self.cfg.max_n}, got {n}")
+        if inp.beam_width is not None and inp.beam_width > self.cfg.max_n:
+            raise InvalidRequest(f"beam_width must be at most {self.cfg.max_n}, got {inp.beam_width}")
+        if len(inp.cache_salt) > 256:
+            raise InvalidRequest("cache_salt is longer than 256 characters")
+        if len(inp.stop) > self.cfg.max_stop_strings:
+            raise InvalidRequest(f"at most {self.cfg.max_stop_strings} stop strings, got {len(inp.stop)}")
+        ids = self._prompt_ids(inp)
         limit = self.info.max_model_len
         if len(ids) >= limit:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but the model's context window is {limit} "
@@ -153,7 +173,17 @@ class Frontend:
                                 top_p=1.0 if inp.top_p is None else inp.top_p,
                                 top_k=inp.top_k or 0, seed=inp.seed, max_tokens=max_tokens,
                                 ignore_eos=inp.ignore_eos, n=n, cache_salt=inp.cache_salt,
-                                beam_width=inp.beam_width or 0, num_speculative_tokens=inp.num_speculative_tokens)
+                                beam_width=inp.beam_width or 0, num_speculative_tokens=inp.num_speculative_tokens,
+                                presence_penalty=inp.presence_penalty or 0.0,
+                                frequency_penalty=inp.frequency_penalty or 0.0,
+                                repetition_penalty=1.0 if inp.repetition_penalty is None else inp.repetition_penalty,
+                                min_p=inp.min_p or 0.0, logit_bias=dict(inp.logit_bias),
+                                min_tokens=inp.min_tokens or 0, stop_token_ids=list(inp.stop_token_ids),
+                                logprobs=inp.logprobs)
+        vocab = self.info.vocab_size
+        for name, toks in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if toks and max(toks) >= vocab:
+                raise InvalidRequest(f"{name} names token {max(toks)}, outside the vocabulary [0, {vocab})")
         return ids, params
 
     async def stream(self, inp: GenerationInput, timeout: float | None = None,
@@ -251,12 +281,12 @@ class Frontend:
                     cached = max(cached, step.cached_tokens)
                     spec.update(step.spec)
                     out, stopped = [], []
-                    for index, tokens, reason in step.deltas:
+                    for index, tokens, reason, lps in step.deltas:
                         d = choices[index].push(tokens, reason)
                         if d.stop_string_hit:
                             stopped.append(index)
                         if d.text or d.token_ids or d.finish_reason:
-                            out.append(ChoiceDelta(index, d.text, d.token_ids, d.finish_reason))
+                            out.append(ChoiceDelta(index, d.text, d.token_ids, d.finish_reason, lps))
                     if stopped:
                         await target.abort(request_id, stopped)
                     now = time.perf_counter()

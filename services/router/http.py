@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.router.frontend import Frontend
 from services.router.openai_api import add_openai_routes
+from services.router.tokenize_api import add_tokenize_routes
 
 
 def build_app(frontend: Frontend) -> FastAPI:
@@ -24,6 +25,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     add_openai_routes(app, frontend)
+    add_tokenize_routes(app, frontend)
     return app
 
 

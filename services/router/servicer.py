@@ -19,7 +19,15 @@ def input_from_pb(req: generation_pb2.GenerateRequest) -> GenerationInput:
                            max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
                            top_k=opt("top_k"), seed=opt("seed"), n=opt("n"), stop=list(req.stop),
                            ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
-                           beam_width=opt("beam_width"), num_speculative_tokens=opt("num_speculative_tokens"))
+                           beam_width=opt("beam_width"), num_speculative_tokens=opt("num_speculative_tokens"),
+                           presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+                           repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"),
+                           logit_bias=dict(req.logit_bias), min_tokens=opt("min_tokens"),
+                           stop_token_ids=list(req.stop_token_ids), logprobs=opt("logprobs"))
+
+
+def _logprobs(lps) -> list[generation_pb2.TokenLogprobs]:
+    return [generation_pb2.TokenLogprobs(logprob=x, top_ids=ids, top_logprobs=xs) for x, ids, xs in lps or ()]
 
 
 def parse_request(data: bytes) -> generation_pb2.GenerateRequest | None:
@@ -91,17 +99,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             texts: dict[int, str] = defaultdict(str)
             ids: dict[int, list[int]] = defaultdict(list)
             reasons: dict[int, str] = defaultdict(str)
+            lps: dict[int, list] = defaultdict(list)
             last = None
             async for chunk in self.frontend.stream(inp, context.time_remaining(), caller):
                 for c in chunk.choices:
                     texts[c.index] += c.text
                     ids[c.index].extend(c.token_ids)
                     reasons[c.index] = c.finish_reason or reasons[c.index]
+                    lps[c.index] += c.logprobs or []
                 last = chunk
             return generation_pb2.GenerateResponse(
                 request_id=request.request_id, usage=_usage(last), spec=_spec(last),
-                choices=[generation_pb2.Choice(index=i, text=texts[i], token_ids=ids[i], finish_reason=reasons[i])
-                         for i in range(inp.n or 1)])
+                choices=[generation_pb2.Choice(index=i, text=texts[i], token_ids=ids[i], finish_reason=reasons[i],
+                                               logprobs=_logprobs(lps[i])) for i in range(inp.n or 1)])
 
     @map_errors
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -110,7 +120,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for chunk in self.frontend.stream(input_from_pb(request), context.time_remaining(), caller):
                 msg = generation_pb2.GenerateResponse(request_id=request.request_id, choices=[
                     generation_pb2.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
-                                          finish_reason=c.finish_reason or "") for c in chunk.choices])
+                                          finish_reason=c.finish_reason or "", logprobs=_logprobs(c.logprobs))
+                    for c in chunk.choices])
                 if chunk.done:
                     msg.usage.CopyFrom(_usage(chunk))
                     msg.spec.CopyFrom(_spec(chunk))

@@ -15,6 +15,7 @@ from shared.sampling_params import SamplingParams
 from upesi.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger("upesi.router")
+Logprob = tuple[float, list[int], list[float]]
 
 
 @dataclass(slots=True)
@@ -28,7 +29,8 @@ class TargetInfo:
 
 @dataclass(slots=True)
 class StepOutput:
-    deltas: list[tuple[int, list[int], str | None]]   # (choice index, new token ids, finish reason)
+    # (choice index, new token ids, finish reason, per token (logprob, top ids, top logprobs) or None)
+    deltas: list[tuple[int, list[int], str | None, list[Logprob] | None]]
     spec: dict[int, tuple[int, int]]                   # choice index -> (draft tokens, accepted tokens) so far
     prompt_tokens: int
     cached_tokens: int
@@ -106,7 +108,12 @@ def target_request(request_id: str, prompt: list[int], params: SamplingParams) -
                                            top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
                                            ignore_eos=params.ignore_eos, stop_token_ids=params.stop_token_ids,
                                            cache_salt=params.cache_salt, beam_width=params.beam_width,
-                                           num_speculative_tokens=params.num_speculative_tokens))
+                                           num_speculative_tokens=params.num_speculative_tokens,
+                                           presence_penalty=params.presence_penalty,
+                                           frequency_penalty=params.frequency_penalty,
+                                           repetition_penalty=params.repetition_penalty, min_p=params.min_p,
+                                           logit_bias=params.logit_bias, min_tokens=params.min_tokens,
+                                           logprobs=params.logprobs))
 
 
 async def read_steps(call, n: int) -> AsyncIterator[StepOutput]:
@@ -114,7 +121,9 @@ async def read_steps(call, n: int) -> AsyncIterator[StepOutput]:
     unfinished = n
     try:
         async for msg in call:
-            out = StepOutput([(d.index, list(d.token_ids), d.finish_reason or None) for d in msg.deltas],
+            out = StepOutput([(d.index, list(d.token_ids), d.finish_reason or None,
+                               [(lp.logprob, list(lp.top_ids), list(lp.top_logprobs)) for lp in d.logprobs]
+                               if d.logprobs else None) for d in msg.deltas],
                              {d.index: (d.draft_tokens, d.accepted_tokens) for d in msg.deltas},
                              msg.prompt_tokens, msg.cached_tokens)
             unfinished -= sum(1 for d in msg.deltas if d.finish_reason)

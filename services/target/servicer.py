@@ -26,7 +26,10 @@ def params_from_pb(req: target_pb2.TargetGenerateRequest) -> SamplingParams:
                           ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids), n=req.n or 1,
                           cache_salt=s.cache_salt, beam_width=s.beam_width,
                           num_speculative_tokens=s.num_speculative_tokens if s.HasField("num_speculative_tokens")
-                          else None)
+                          else None, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                          repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+                          min_p=s.min_p, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
+                          logprobs=s.logprobs if s.HasField("logprobs") else None)
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):

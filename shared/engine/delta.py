@@ -5,6 +5,14 @@ from dataclasses import dataclass
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the raw logits, and the most likely tokens' (ids, values)."""
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class Delta:
     """New tokens of one choice after one step."""
     request_id: str
@@ -15,3 +23,4 @@ class Delta:
     num_cached_tokens: int
     num_draft_tokens: int = 0            # speculative decoding, cumulative for the choice
     num_accepted_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None   # one per token of token_ids, when the request asked for them

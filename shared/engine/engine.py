@@ -17,8 +17,9 @@ from shared import telemetry
 from shared.engine.beam import BeamGroup
 from shared.engine.beam_steps import BeamStepsMixin
 from shared.engine.config import WIDE_ROWS, EngineConfig
-from shared.engine.delta import Delta
+from shared.engine.delta import Delta, TokenLogprob
 from shared.engine.kv_transfer import KVTransferMixin
+from shared.engine.logits_processing import process_batch, token_logprobs
 from shared.engine.long_rope import LongRopeMixin
 from shared.engine.model_runner import ModelRunner, kv_cache_layout
 from shared.engine.offline import OfflineMixin
@@ -105,6 +106,9 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         vocab = self.model_cfg.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if ids and max(ids) >= vocab:
+                raise InvalidRequest(f"{name} names token {max(ids)}, outside the vocabulary [0, {vocab})")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens but the context window is "
                                  f"{self.max_model_len}; shorten it by at least {len(prompt) - self.max_model_len + 1}")
@@ -183,18 +187,16 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
                 rows.append(row)
         deltas += self._collect_beams(sampled, rows, logits)   # beam sequences leave `sampled` here
         self._fork_pending(sampled, rows)
-        if not sampled:
-            tokens = []
-        elif rows == list(range(logits.shape[0])):       # one row per sequence, in order: no copy of the logits
-            tokens = sample(logits, sampled)
-        else:
-            tokens = sample(logits[rows], sampled)
-        for seq, tok in zip(sampled, tokens):
+        # one row per sequence, in order: no copy of the logits
+        raw = logits if rows == list(range(logits.shape[0])) else logits[rows]
+        tokens = sample(process_batch(raw, sampled, self.eos_token_ids), sampled) if sampled else []
+        for i, (seq, tok) in enumerate(zip(sampled, tokens)):
             seq.token_ids.append(tok)
             reason = self._finish_reason(seq, tok)
             if reason:
                 self.scheduler.finish(seq, reason)
-            deltas.append(self._delta(seq, [tok]))
+            lps = None if seq.params.logprobs is None else token_logprobs(raw[i:i + 1], [tok], seq.params.logprobs)
+            deltas.append(self._delta(seq, [tok], lps))
         if hidden_from is not None:
             self._hand_hidden(batch, hidden_from)
         self.tree_paths.clear()
@@ -244,9 +246,9 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
             return "length"
         return None
 
-    def _delta(self, seq: Sequence, tokens: list[int]) -> Delta:
+    def _delta(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta:
         return Delta(seq.request_id, seq.index, tokens, seq.finish_reason, seq.num_prompt_tokens,
-                     seq.num_cached_tokens, seq.num_draft_tokens, seq.num_accepted_tokens)
+                     seq.num_cached_tokens, seq.num_draft_tokens, seq.num_accepted_tokens, logprobs)
 
     def _forget_finished(self, request_id: str) -> None:
         seqs = self.requests.get(request_id)

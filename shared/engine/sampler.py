@@ -16,11 +16,17 @@ CANDIDATES = 256          # tokens a filtered row looks at first (topk 0.12 ms a
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] fp32, temperature/top_p [N] float, top_k [N] int (0 = off) -> probs [N, V].
-    Only rows with a top-k or top-p filter pay for ranking the vocab: first over the CANDIDATES most likely tokens,
-    which decides the row exactly when its kept set lies among them; the others sort the whole vocab."""
+                      top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] fp32, temperature/top_p/min_p [N] float, top_k [N] int (0 = off) -> probs [N, V].
+    min_p (vLLM's order: after the temperature, before top-k and top-p) drops the tokens less likely than min_p
+    times the row's most likely one. Only rows with a top-k or top-p filter pay for ranking the vocab: first over
+    the CANDIDATES most likely tokens, which decides the row exactly when its kept set lies among them; the others
+    sort the whole vocab."""
     logits = logits / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        # p < min_p * p_max  <=>  logit < logit_max + log(min_p)
+        floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]          # [N, 1]
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     v = logits.shape[-1]
     filtered = ((top_k > 0) & (top_k < v)) | (top_p < 1)                        # [N]
     probs = logits.softmax(dim=-1)
@@ -96,6 +102,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             torch.tensor([p.temperature for p in ps], device=logits.device),
             torch.tensor([p.top_k for p in ps], device=logits.device),
             torch.tensor([p.top_p for p in ps], device=logits.device),
+            torch.tensor([p.min_p for p in ps], device=logits.device) if any(p.min_p for p in ps) else None,
         )
         u = torch.tensor([float(torch.rand((), generator=seqs[i].generator, dtype=torch.float64)) for i in rows],
                          dtype=torch.float64, device=logits.device)                      # [n]

@@ -7,6 +7,7 @@ import torch
 
 from shared import telemetry
 from shared.engine.delta import Delta
+from shared.engine.logits_processing import process, stop_ids, token_logprobs
 from shared.engine.rejection import verify_greedy, verify_sampled
 from shared.engine.sampler import probs_from_logits
 from shared.engine.sequence import Sequence
@@ -52,8 +53,9 @@ class SpeculationMixin:
         for seq, (tokens, probs, parents) in zip(seqs, proposals):
             if is_chain(parents):
                 parents = None
-            elif not seq.params.greedy:
-                continue                      # trees are verified greedily only: a sampled sequence decodes plainly
+            elif not seq.params.greedy or seq.params.processed or seq.params.logprobs is not None:
+                continue                      # trees are verified greedily and plainly only: such a sequence
+                #                               decodes without speculation this step
             if tokens:
                 seq.token_ids.extend(tokens)
                 seq.spec_tokens, seq.spec_probs, seq.spec_parents = list(tokens), probs, parents
@@ -70,12 +72,17 @@ class SpeculationMixin:
             self.tree_paths[seq.seq_id] = path
             n, depth = len(path), max(depths(parents))
             draft = [draft[a] for a in path]
-        elif p.greedy:
-            n, tok = verify_greedy(logits, draft)
         else:
-            probs = probs_from_logits(logits, torch.full((len(logits),), p.temperature),
-                                      torch.full((len(logits),), p.top_k), torch.full((len(logits),), p.top_p))
-            n, tok = verify_sampled(probs, q, draft, seq.generator)
+            rows = logits if not p.processed else process(logits, p, seq.token_ids, seq.num_prompt_tokens,
+                                                          list(range(base, base + len(logits))),
+                                                          stop_ids(p, self.eos_token_ids))
+            if p.greedy:
+                n, tok = verify_greedy(rows, draft)
+            else:
+                r = len(rows)
+                probs = probs_from_logits(rows, torch.full((r,), p.temperature), torch.full((r,), p.top_k),
+                                          torch.full((r,), p.top_p), torch.full((r,), p.min_p) if p.min_p else None)
+                n, tok = verify_sampled(probs, q, draft, seq.generator)
         num_draft = len(seq.spec_tokens)
         del seq.token_ids[base:]
         seq.spec_tokens, seq.spec_probs, seq.spec_parents = [], None, None
@@ -95,12 +102,15 @@ class SpeculationMixin:
             reason = self._finish_reason(seq, t)
             if reason:
                 break
+        # a chain's row j predicts the token after j drafts: the raw rows of what was emitted (trees never carry
+        # requests that ask for logprobs)
+        lps = None if p.logprobs is None else token_logprobs(logits[:len(emitted)], emitted, p.logprobs)
         seq.num_computed_tokens = min(base + n, len(seq) - 1)   # KV of rejected positions is dropped
         self.block_manager.trim(seq)
         self.block_manager.commit(seq)
         if reason:
             self.scheduler.finish(seq, reason)
-        return self._delta(seq, emitted)
+        return self._delta(seq, emitted, lps)
 
     def _hidden_starts(self, batch) -> list[int] | None:
         """Where each sequence's rows begin, when the proposer reads the target's hidden states (else None)."""

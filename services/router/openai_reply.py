@@ -1,0 +1,144 @@
+"""The OpenAI API's answers: whole responses and stream chunks of chat and text completions, with usage and
+log-probabilities in OpenAI's shapes."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from services.router.frontend import ChoiceDelta, Logprob, StreamChunk
+from shared.errors import PeerUnavailable
+
+
+def _usage(c: StreamChunk) -> dict:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+_Tokens = tuple[list[int], list[Logprob]]        # a choice's token ids and their log-probabilities
+
+
+@dataclass(slots=True)
+class _Reply:
+    """One request's answer in OpenAI's shapes, whole or as stream chunks; `tok` (the Frontend's tokenizer) names
+    the tokens of log-probabilities, when the request asked for them."""
+    chat: bool
+    model: str
+    id: str
+    created: int
+    tok: Any = None
+
+    def whole(self, texts: list[str], reasons: list[str | None], last: StreamChunk,
+              tokens: list[_Tokens] | None = None) -> dict:
+        choices = [{"index": i, **({"message": {"role": "assistant", "content": t}} if self.chat else {"text": t}),
+                    "logprobs": self.logprobs(*tokens[i]) if tokens else None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": _usage(last)}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> dict:
+        out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                               "created": self.created, "model": self.model, "choices": choices}
+        if with_usage:
+            out["usage"] = usage
+        return out
+
+    def delta(self, index: int, text: str, reason: str | None, role: bool = False,
+              tokens: tuple[list[int], list[Logprob], int] | None = None) -> dict:
+        lp = self.logprobs(*tokens) if tokens else None
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+        delta: dict[str, str] = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+
+    def logprobs(self, ids: list[int], lps: list[Logprob], offset: int = 0) -> dict:
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: tokens, token_logprobs,
+        top_logprobs (the chosen token among them, as vLLM answers) and text_offset from `offset` characters."""
+        names: dict[int, str] = {}
+
+        def name(t: int) -> str:
+            if t not in names:
+                names[t] = self.tok.decode([t])
+            return names[t]
+        if self.chat:
+            def entry(t: int, x: float) -> dict:
+                return {"token": name(t), "logprob": x, "bytes": list(name(t).encode())}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, x) for i, x in zip(top, xs)]}
+                                for t, (lp, top, xs) in zip(ids, lps)]}
+        offsets = []
+        for t in ids:
+            offsets.append(offset)
+            offset += len(name(t))
+        return {"tokens": [name(t) for t in ids], "token_logprobs": [lp for lp, _, _ in lps],
+                "top_logprobs": [{name(t): lp, **{name(i): x for i, x in zip(top, xs)}}
+                                 for t, (lp, top, xs) in zip(ids, lps)], "text_offset": offsets}
+
+
+async def _collect(gen: AsyncIterator[StreamChunk], n: int
+                   ) -> tuple[list[str], list[str | None], StreamChunk, list[_Tokens] | None]:
+    # Nothing sized by n before the frontend has validated it (a client may send n = 10**12).
+    texts: dict[int, str] = defaultdict(str)
+    reasons: dict[int, str | None] = {}
+    tokens: dict[int, _Tokens] = defaultdict(lambda: ([], []))
+    last = None
+    async for chunk in gen:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+            if c.logprobs is not None:
+                tokens[c.index][0].extend(c.token_ids)
+                tokens[c.index][1].extend(c.logprobs)
+        last = chunk
+    if last is None:
+        raise PeerUnavailable("the generation ended without an answer")
+    return ([texts[i] for i in range(n)], [reasons.get(i) for i in range(n)], last,
+            [tokens[i] for i in range(n)] if tokens else None)
+
+
+async def merge_prompts(gens: list[AsyncGenerator[StreamChunk, None]], n: int) -> AsyncGenerator[StreamChunk, None]:
+    """The streams of several prompts (n choices each) as one: prompt p's choice j becomes choice p * n + j, the
+    usage adds up, and the last chunk (done) comes when every prompt is done. Closing it closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, gen: AsyncGenerator[StreamChunk, None]) -> None:
+        try:
+            async for chunk in gen:
+                await queue.put((p, chunk))
+            await queue.put((p, None))
+        except Exception as e:                          # handed to the reader, which raises it
+            await queue.put((p, e))
+
+    tasks = [asyncio.create_task(pump(p, g)) for p, g in enumerate(gens)]
+    last: dict[int, StreamChunk] = {}
+    try:
+        running = len(gens)
+        while running:
+            p, chunk = await queue.get()
+            if chunk is None:
+                running -= 1
+                continue
+            if isinstance(chunk, Exception):
+                raise chunk
+            last[p] = chunk
+            done = len(last) == len(gens) and all(c.done for c in last.values())
+            yield StreamChunk([ChoiceDelta(p * n + c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
+                               for c in chunk.choices],
+                              sum(c.prompt_tokens for c in last.values()),
+                              sum(c.completion_tokens for c in last.values()),
+                              sum(c.cached_tokens for c in last.values()), done,
+                              sum(c.draft_tokens for c in last.values()),
+                              sum(c.accepted_tokens for c in last.values()))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()

@@ -1,0 +1,193 @@
+"""The OpenAI API's requests: JSON bodies validated into GenerationInput, every field honoured or refused.
+
+A field OpenAI defines that changes nothing in the output (`user`, `metadata`, `store`, `service_tier`) is accepted;
+one this server lacks is accepted only at the value that asks for nothing; any other name is refused with 400 and
+named, as OpenAI refuses an unknown argument. Extensions (vLLM's names): `top_k` (-1 or 0 = no limit), `min_p`,
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `cache_salt`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from services.router.frontend import GenerationInput
+from shared.errors import InvalidRequest
+
+Code = grpc.StatusCode
+
+# Fields accepted only at values that ask for nothing: anything else would be silently ignored, so it is refused.
+_NO_OP: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none"), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
+    "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,),
+}
+# Fields of OpenAI's API that change nothing in the output: accepted and unused.
+_UNUSED = {"metadata", "store", "service_tier", "parallel_tool_calls"}
+
+
+class ApiError(Exception):
+    """A refusal the Frontend cannot make itself (an unknown model, an unsupported field)."""
+
+    def __init__(self, status: grpc.StatusCode, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+
+
+class GenerationRequest(Body):
+    model: str | None = None              # None: the served model
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    stop: Any = None                      # a string or a list of strings
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    cache_salt: str = ""
+    user: str | None = None               # accepted, unused
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None    # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: Any = None                    # prompts_of's forms
+    logprobs: int | None = None           # the top N per token (0: the chosen token's only)
+
+
+class ChatMessage(Body):
+    role: str
+    content: Any = None                   # a string, or a list of {"type": "text", "text": ...} parts
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def parse(model: type[GenerationRequest], body: bytes) -> GenerationRequest:
+    """Validates a JSON body; a bad one raises ApiError(INVALID_ARGUMENT) naming the field."""
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = _where(err["loc"])
+        raise ApiError(Code.INVALID_ARGUMENT, f"{where}: {err['msg']}" if where else
+                       f"the body must be a JSON object: {err['msg']}", param=where or None) from None
+    for name, value in (req.model_extra or {}).items():
+        if name in _UNUSED or (name in _NO_OP and value in _NO_OP[name]):
+            continue
+        if name in _NO_OP:
+            raise ApiError(Code.INVALID_ARGUMENT, f"{name} is not supported: this server lacks it; leave it unset",
+                           param=name, code="unsupported_parameter")
+        raise ApiError(Code.INVALID_ARGUMENT, f"unrecognized request argument supplied: {name}", param=name,
+                       code="unknown_parameter")
+    return req
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidRequest("stop must be a string or a list of strings")
+
+
+MAX_PROMPTS = 32                          # prompts of one /v1/completions request
+
+
+def prompts_of(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of those")
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts a request, got {len(prompt)}")
+    for i, p in enumerate(prompt):
+        ids = isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        if not (isinstance(p, str) or ids) or not p:
+            raise InvalidRequest(f"prompt[{i}] is empty or not a string or a list of token ids")
+    return prompt
+
+
+def content_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise InvalidRequest(f'messages[{i}].content[{j}] is not a {{"type": "text", "text": ...}} part; '
+                                 "only text is supported")
+    return "\n".join(part["text"] for part in content)
+
+
+def generation_input(req: GenerationRequest, vocab_size: int) -> GenerationInput:
+    """The Frontend's input for a parsed request; raises InvalidRequest on what pydantic cannot check."""
+    top_k, temperature = req.top_k, req.temperature
+    if top_k is not None and (top_k == -1 or top_k >= vocab_size):
+        top_k = 0                                                 # no limit, as -1 means in vLLM
+    inp = GenerationInput(temperature=temperature, top_p=req.top_p, top_k=top_k, seed=req.seed, n=req.n,
+                          stop=_stop(req.stop), ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
+                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                          repetition_penalty=req.repetition_penalty, min_p=req.min_p,
+                          logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
+                          stop_token_ids=list(req.stop_token_ids or []))
+    if isinstance(req, ChatRequest):
+        inp.messages = [{"role": m.role, "content": content_text(i, m.content)} for i, m in enumerate(req.messages)]
+        inp.max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(Code.INVALID_ARGUMENT, "top_logprobs needs logprobs: true", param="top_logprobs")
+        inp.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    elif isinstance(req, CompletionRequest):
+        inp.max_tokens = 16 if req.max_tokens is None else req.max_tokens     # OpenAI's default for completions
+        inp.logprobs = req.logprobs
+    return inp
+
+
+def generation_inputs(req: GenerationRequest, vocab_size: int) -> list[GenerationInput]:
+    """One input per prompt: a chat request has one, a completion request one per prompt of its list."""
+    inp = generation_input(req, vocab_size)
+    if not isinstance(req, CompletionRequest):
+        return [inp]
+    return [replace(inp, prompt=p) if isinstance(p, str) else replace(inp, prompt_ids=p)
+            for p in prompts_of(req.prompt)]
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise ApiError(Code.INVALID_ARGUMENT, f"logit_bias keys must be token ids, got {key!r}",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out

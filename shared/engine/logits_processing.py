@@ -1,0 +1,84 @@
+"""What a request does to the logits before sampling, and the log-probabilities it asks back.
+
+vLLM's semantics and order: logit_bias and min_tokens first, then the penalties on those logits (repetition over
+the prompt's and the output's tokens, frequency and presence over the output's); temperature, min_p, top-k and
+top-p follow in shared.engine.sampler. Log-probabilities come from the raw logits, before any of this, as vLLM
+returns them by default.
+
+A row is processed with the tokens before the position it predicts, so the K + 1 rows of a speculative
+verification see each draft token their position follows, as plain decoding would have: greedy speculative output
+equals plain greedy output with any of these set.
+
+Shapes: R = rows, V = vocab.
+"""
+from __future__ import annotations
+
+import torch
+
+from shared.engine.delta import TokenLogprob
+from shared.sampling_params import SamplingParams
+
+
+def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int,
+            ends: list[int], stop_ids: set[int]) -> torch.Tensor:
+    """logits [R, V] -> a processed fp32 copy [R, V]. Row r predicts the token after token_ids[:ends[r]] (ends
+    ascending, each >= num_prompt); stop_ids are masked while the output is shorter than min_tokens."""
+    out = logits.float().clone()                                                # [R, V]
+    v, dev = out.shape[-1], out.device
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=dev)
+        out[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=out.dtype, device=dev)
+    if params.min_tokens and stop_ids:
+        short = [r for r, end in enumerate(ends) if end - num_prompt < params.min_tokens]
+        if short:
+            out[torch.tensor(short, device=dev)[:, None], torch.tensor(sorted(stop_ids), device=dev)[None, :]] = \
+                float("-inf")
+    rp, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    if rp == 1.0 and not freq and not pres:
+        return out
+    counts = torch.zeros(v, dtype=out.dtype, device=dev)                        # [V] output tokens so far
+    in_prompt = torch.zeros(v, dtype=torch.bool, device=dev)
+    in_prompt[torch.tensor(token_ids[:num_prompt], dtype=torch.long, device=dev)] = True
+    done = num_prompt
+    for r, end in enumerate(ends):
+        if end > done:
+            counts.index_add_(0, torch.tensor(token_ids[done:end], dtype=torch.long, device=dev),
+                              torch.ones(end - done, dtype=out.dtype, device=dev))
+            done = end
+        row = out[r]
+        seen = counts > 0
+        if rp != 1.0:
+            rep = in_prompt | seen
+            row = torch.where(rep, torch.where(row > 0, row / rp, row * rp), row)
+        out[r] = row - freq * counts - pres * seen.to(out.dtype)
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int) -> list[TokenLogprob]:
+    """Raw logits [R, V] and the token taken at each row -> its log-probability and the `top` most likely."""
+    lp = logits.float().log_softmax(dim=-1)                                     # [R, V]
+    rows = torch.arange(len(chosen), device=lp.device)
+    picked = lp[rows, torch.tensor(chosen, dtype=torch.long, device=lp.device)].tolist()
+    if not top:
+        return [TokenLogprob(p, [], []) for p in picked]
+    vals, idx = lp[: len(chosen)].topk(top, dim=-1)                             # [R, top]
+    return [TokenLogprob(p, i, x) for p, i, x in zip(picked, idx.tolist(), vals.tolist())]
+
+
+def stop_ids(params: SamplingParams, eos: set[int]) -> set[int]:
+    """The tokens min_tokens holds back: EOS (unless ignored) and the request's stop token ids."""
+    return (set() if params.ignore_eos else set(eos)) | set(params.stop_token_ids)
+
+
+def process_batch(logits: torch.Tensor, seqs: list, eos: set[int]) -> torch.Tensor:
+    """logits [N, V], row i sampled for seqs[i] (shared.engine.sequence.Sequence) -> the same tensor when no
+    sequence asks for processing, else a copy with those rows processed."""
+    todo = [i for i, s in enumerate(seqs) if s.params.processed]
+    if not todo:
+        return logits
+    out = logits.clone()
+    for i in todo:
+        s = seqs[i]
+        out[i] = process(logits[i:i + 1], s.params, s.token_ids, s.num_prompt_tokens, [len(s)],
+                         stop_ids(s.params, eos))[0]
+    return out

@@ -1,0 +1,231 @@
+"""Log-probabilities and sampling controls through the OpenAI API of a running stack (fp32, a draft service
+proposing n-gram drafts), with the official openai client, against transformers' fp32 logits of the default model
+and a reference greedy loop written here."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from tests.conftest import CHAT_PROMPTS, Stack
+
+pytestmark = pytest.mark.slow
+MESSAGES = [{"role": "user", "content": CHAT_PROMPTS[1]}]
+
+
+@pytest.fixture(scope="module")
+def spec_stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("sampling-stack"),
+              ["--dtype", "float32", "--draft", "ngram", "--num-speculative-tokens", "4",
+               "--draft-metrics-port", "0"])
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        assert s.stop() == 0, s.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def oai(spec_stack):
+    openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{spec_stack.http_port}/v1", api_key="x", max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(chat_prompt_ids) -> list[int]:
+    return chat_prompt_ids[1]
+
+
+def logits_after(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0, -1]
+    return logits.double().clone()                      # outside inference mode: a tensor the loop may change
+
+
+def reference(hf_model, prompt: list[int], steps: int, bias: dict[int, float] = {}, presence: float = 0.0,
+              frequency: float = 0.0, repetition: float = 1.0, min_tokens: int = 0, stops: set[int] = set()
+              ) -> list[int]:
+    """Greedy, one full forward a token; vLLM's order: logit_bias and min_tokens, then the penalties."""
+    ids, out = list(prompt), []
+    while len(out) < steps:
+        logits = logits_after(hf_model, ids)
+        for t, b in bias.items():
+            logits[t] += b
+        if len(out) < min_tokens:
+            for t in stops:
+                logits[t] = float("-inf")
+        if repetition != 1.0:
+            for t in set(ids):
+                logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+        for t in set(out):
+            logits[t] -= presence + frequency * out.count(t)
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok in stops:
+            break
+    return out
+
+
+def chat(oai, **kw):
+    return oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, temperature=0, **kw)
+
+
+def test_chat_logprobs_equal_transformers(oai, hf_model, hf_tokenizer, prompt_ids):
+    r = chat(oai, max_tokens=10, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 10 and "".join(c.token for c in content) == r.choices[0].message.content
+    generated = []
+    for c in content:
+        ref = logits_after(hf_model, prompt_ids + generated).log_softmax(-1)
+        top = ref.topk(3)
+        assert [t.token for t in c.top_logprobs] == [hf_tokenizer.decode([i]) for i in top.indices.tolist()]
+        for got, want in zip(c.top_logprobs, top.values.tolist()):
+            assert abs(got.logprob - want) < 0.02
+        tok = int(top.indices[0])                       # greedy: the top token is the one generated
+        assert c.token == hf_tokenizer.decode([tok]) and abs(c.logprob - ref[tok].item()) < 0.02
+        assert c.bytes == list(c.token.encode())
+        generated.append(tok)
+
+
+def test_streamed_logprobs_reassemble(oai):
+    whole = chat(oai, max_tokens=8, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    parts = []
+    for chunk in chat(oai, max_tokens=8, logprobs=True, top_logprobs=2, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            parts += chunk.choices[0].logprobs.content
+    assert [(p.token, round(p.logprob, 5)) for p in parts] == [(w.token, round(w.logprob, 5)) for w in whole]
+
+
+def test_completion_logprobs_shape(oai):
+    r = oai.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=6,
+                               temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert x <= 0 and top[tok] == x and len(top) >= 2
+
+
+@pytest.mark.parametrize("kw, ref", [
+    ({"frequency_penalty": 1.2}, {"frequency": 1.2}),
+    ({"presence_penalty": 1.5, "frequency_penalty": 0.3}, {"presence": 1.5, "frequency": 0.3}),
+    ({"extra_body": {"repetition_penalty": 1.6}}, {"repetition": 1.6}),
+    ({"logit_bias": {"504": 8, "28": -100}}, {"bias": {504: 8.0, 28: -100.0}}),
+])
+def test_penalties_and_bias_equal_the_reference_loop(oai, hf_model, hf_tokenizer, prompt_ids, kw, ref):
+    r = chat(oai, max_tokens=16, **kw)
+    want = reference(hf_model, prompt_ids, 16, **ref)
+    eos = hf_tokenizer.eos_token_id
+    want = want[:want.index(eos)] if eos in want else want
+    assert r.choices[0].message.content == hf_tokenizer.decode(want, skip_special_tokens=True)
+    plain = reference(hf_model, prompt_ids, 16)
+    assert want != plain[:len(want)]                    # the request changed the output
+
+
+def test_min_tokens_and_stop_token_ids(oai, hf_model, hf_tokenizer, prompt_ids):
+    plain = reference(hf_model, prompt_ids, 12)
+    stop = plain[3]
+    r = chat(oai, max_tokens=12, extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 4
+    r = chat(oai, max_tokens=12, extra_body={"stop_token_ids": [stop], "min_tokens": 8, "ignore_eos": True})
+    want = reference(hf_model, prompt_ids, 12, min_tokens=8, stops={stop})
+    assert r.usage.completion_tokens == len(want) >= 8 and stop not in want[:8]
+    assert r.choices[0].message.content == hf_tokenizer.decode(want, skip_special_tokens=True)
+
+
+def post(stack, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("extra, status, words", [
+    ({"frobnicate": 3}, 400, "frobnicate"),
+    ({"metadata": {"a": "b"}, "store": False, "service_tier": "auto", "user": "u"}, 200, ""),
+    ({"top_logprobs": 2}, 400, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
+    ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"min_tokens": 9}, 400, "min_tokens"),
+    ({"stop_token_ids": [10**7]}, 400, "stop_token_ids"),
+    ({"guided_json": {"type": "object"}}, 400, "guided_json"),
+])
+def test_fields_are_honoured_or_refused(spec_stack, extra, status, words):
+    code, body = post(spec_stack, {"messages": MESSAGES, "max_tokens": 4, **extra})
+    assert code == status, body
+    if status != 200:
+        assert words in body["error"]["message"] and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_grpc_carries_the_same_with_drafts_verified(spec_stack, oai, hf_model, prompt_ids):
+    """The public gRPC API takes the same controls and returns the same tokens and log-probabilities, and the
+    draft service's proposals were verified under the penalty (drafted tokens counted)."""
+    import grpc
+
+    from upesi.v1 import generation_pb2 as pb
+    from upesi.v1 import generation_pb2_grpc
+    with grpc.insecure_channel(spec_stack.address) as ch:
+        r = generation_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in MESSAGES], max_tokens=40, temperature=0, ignore_eos=True,
+            frequency_penalty=0.4, num_speculative_tokens=4, logprobs=2), timeout=300)
+    c = r.choices[0]
+    assert list(c.token_ids) == reference(hf_model, prompt_ids, 40, frequency=0.4)
+    assert len(c.logprobs) == len(c.token_ids) and all(len(lp.top_ids) == 2 for lp in c.logprobs)
+    assert r.spec.draft_tokens > 0
+    http = chat(oai, max_tokens=40, frequency_penalty=0.4, logprobs=True, extra_body={"ignore_eos": True})
+    assert http.choices[0].message.content == c.text
+    assert [round(x.logprob, 4) for x in http.choices[0].logprobs.content] == [round(lp.logprob, 4)
+                                                                                for lp in c.logprobs]
+
+
+def test_batched_and_token_id_prompts(oai, hf_tokenizer):
+    """A list of prompts (text and token ids) answers each, choice p * n + j for prompt p, plain and streamed; a
+    token-id prompt answers as its text does."""
+    text = "The capital of France is"
+    ids = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=5, temperature=0)
+    one = oai.completions.create(prompt=text, **kw).choices[0].text
+    r = oai.completions.create(prompt=[text, "Two plus two is", text], n=2, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert r.choices[0].text == r.choices[1].text == r.choices[4].text == one != r.choices[2].text
+    assert r.usage.prompt_tokens == 2 * len(ids) + len(hf_tokenizer("Two plus two is")["input_ids"])
+    assert oai.completions.create(prompt=ids, **kw).choices[0].text == one
+    assert oai.completions.create(prompt=[ids, ids], **kw).choices[1].text == one
+    texts: dict[int, str] = {}
+    for chunk in oai.completions.create(prompt=[text, ids], stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: one, 1: one}
+
+
+def test_tokenize_detokenize_and_model_card(spec_stack, hf_tokenizer, prompt_ids):
+    def call(path: str, body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{spec_stack.http_port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+    code, body = call("/tokenize", {"prompt": "Hello world, again."})
+    want = hf_tokenizer("Hello world, again.", add_special_tokens=False)["input_ids"]
+    assert code == 200 and body["tokens"] == want and body["count"] == len(want) and body["max_model_len"] > 0
+    code, chat = call("/tokenize", {"messages": MESSAGES})
+    assert code == 200 and chat["tokens"] == prompt_ids
+    assert call("/detokenize", {"tokens": want}) == (200, {"prompt": "Hello world, again."})
+    assert call("/detokenize", {"tokens": [10**8]})[0] == 400
+    assert call("/tokenize", {"prompt": "a", "messages": MESSAGES})[0] == 400
+    assert call("/tokenize", {"prompt": "a", "frobnicate": 1})[0] == 400
+    with urllib.request.urlopen(f"http://127.0.0.1:{spec_stack.http_port}/v1/models", timeout=60) as r:
+        assert json.loads(r.read())["data"][0]["max_model_len"] == body["max_model_len"]
