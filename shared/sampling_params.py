@@ -1,9 +1,13 @@
 """What a request asks of the sampler, validated once at the engine's door."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from shared.errors import InvalidRequest
+
+
+GUIDE_KINDS = ("", "json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True)
@@ -27,6 +31,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0               # EOS and stop_token_ids are masked until the output has this many tokens
     logprobs: int | None = None       # per token: the chosen one's log-probability and the top N (0 to 20)
+    # structured output (shared/engine/structured.py): "json_schema" (guide: the schema as JSON), "json_object",
+    # "regex", "choice" (guide: a JSON list of strings) or "grammar" (EBNF); "" = none
+    guide_kind: str = ""
+    guide: str = ""
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:      # also catches NaN
@@ -69,8 +77,26 @@ class SamplingParams:
                                  f"got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequest(f"logprobs must be between 0 and 20, got {self.logprobs}")
-        if self.beam_width > 1 and (self.processed or self.logprobs is not None):
-            raise InvalidRequest("beam search takes no penalties, logit_bias, min_tokens or logprobs")
+        if self.beam_width > 1 and (self.processed or self.logprobs is not None or self.guide_kind):
+            raise InvalidRequest("beam search takes no penalties, logit_bias, min_tokens, logprobs or structured "
+                                 "output")
+        self._check_guide()
+
+    def _check_guide(self) -> None:
+        if self.guide_kind not in GUIDE_KINDS:
+            raise InvalidRequest(f"structured output kind must be one of {', '.join(GUIDE_KINDS[1:])}, "
+                                 f"got {self.guide_kind!r}")
+        if len(self.guide) > 65536:
+            raise InvalidRequest(f"the structured output spec has {len(self.guide)} characters; at most 65536")
+        if self.guide_kind not in ("", "json_object") and not self.guide:
+            raise InvalidRequest(f"structured output {self.guide_kind} needs its spec")
+        if self.guide_kind == "choice":
+            try:
+                choices = json.loads(self.guide)
+            except ValueError:
+                choices = None
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+                raise InvalidRequest("a choice needs a non-empty list of non-empty strings")
 
     @property
     def processed(self) -> bool:

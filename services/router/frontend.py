@@ -54,6 +54,8 @@ class GenerationInput:
     min_tokens: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None              # top N per token (0: the chosen token's only); None: none
+    guide_kind: str = ""                     # structured output (shared.sampling_params.SamplingParams)
+    guide: str = ""
 
 
 @dataclass(slots=True)
@@ -179,7 +181,7 @@ class Frontend:
                                 repetition_penalty=1.0 if inp.repetition_penalty is None else inp.repetition_penalty,
                                 min_p=inp.min_p or 0.0, logit_bias=dict(inp.logit_bias),
                                 min_tokens=inp.min_tokens or 0, stop_token_ids=list(inp.stop_token_ids),
-                                logprobs=inp.logprobs)
+                                logprobs=inp.logprobs, guide_kind=inp.guide_kind, guide=inp.guide)
         vocab = self.info.vocab_size
         for name, toks in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if toks and max(toks) >= vocab:

@@ -3,10 +3,13 @@
 A field OpenAI defines that changes nothing in the output (`user`, `metadata`, `store`, `service_tier`) is accepted;
 one this server lacks is accepted only at the value that asks for nothing; any other name is refused with 400 and
 named, as OpenAI refuses an unknown argument. Extensions (vLLM's names): `top_k` (-1 or 0 = no limit), `min_p`,
-`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `cache_salt`.
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `cache_salt`, and structured output as
+`structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) or the older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, besides OpenAI's `response_format`.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +24,7 @@ Code = grpc.StatusCode
 # Fields accepted only at values that ask for nothing: anything else would be silently ignored, so it is refused.
 _NO_OP: dict[str, tuple[Any, ...]] = {
     "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none"), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"), "function_call": (None, "none"),
     "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,),
 }
@@ -66,6 +69,12 @@ class GenerationRequest(Body):
     logit_bias: dict[str, float] | None = None    # token id (as a string) -> bias in [-100, 100]
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    response_format: dict[str, Any] | None = None     # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: exactly one of json, regex, choice, grammar, json_object
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -162,6 +171,7 @@ def generation_input(req: GenerationRequest, vocab_size: int) -> GenerationInput
                           repetition_penalty=req.repetition_penalty, min_p=req.min_p,
                           logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
                           stop_token_ids=list(req.stop_token_ids or []))
+    inp.guide_kind, inp.guide = structured(req)
     if isinstance(req, ChatRequest):
         inp.messages = [{"role": m.role, "content": content_text(i, m.content)} for i, m in enumerate(req.messages)]
         inp.max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -181,6 +191,45 @@ def generation_inputs(req: GenerationRequest, vocab_size: int) -> list[Generatio
         return [inp]
     return [replace(inp, prompt=p) if isinstance(p, str) else replace(inp, prompt_ids=p)
             for p in prompts_of(req.prompt)]
+
+
+def structured(req: GenerationRequest) -> tuple[str, str]:
+    """(guide kind, spec) of the request's structured output, ("", "") for none; at most one way of asking."""
+    asked: list[tuple[str, str, Any]] = []                   # (field, kind, value)
+    rf = req.response_format
+    if rf is not None and rf.get("type") != "text":
+        if rf.get("type") == "json_object":
+            asked.append(("response_format", "json_object", ""))
+        elif rf.get("type") == "json_schema" and isinstance(rf.get("json_schema"), dict) \
+                and isinstance(rf["json_schema"].get("schema"), dict):
+            asked.append(("response_format", "json_schema", rf["json_schema"]["schema"]))
+        else:
+            raise ApiError(Code.INVALID_ARGUMENT, 'response_format must be {"type": "text"}, {"type": "json_object"} '
+                           'or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                           param="response_format")
+    for key, value in (req.structured_outputs or {}).items():
+        kind = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                "json_object": "json_object"}.get(key)
+        if kind is None:
+            raise ApiError(Code.INVALID_ARGUMENT, f"structured_outputs.{key} is not one of json, regex, choice, "
+                           "grammar, json_object", param="structured_outputs")
+        if kind != "json_object" or value:
+            asked.append((f"structured_outputs.{key}", kind, "" if kind == "json_object" else value))
+    for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+        if getattr(req, field) is not None:
+            asked.append((field, kind, getattr(req, field)))
+    if not asked:
+        return "", ""
+    if len(asked) > 1:
+        raise ApiError(Code.INVALID_ARGUMENT, f"ask for one structured output, not {len(asked)} "
+                       f"({', '.join(a[0] for a in asked)})", param=asked[1][0])
+    field, kind, value = asked[0]
+    if kind in ("json_schema", "choice") and not isinstance(value, str):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise ApiError(Code.INVALID_ARGUMENT, f"{field} must be a string", param=field)
+    return kind, value
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

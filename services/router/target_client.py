@@ -113,7 +113,8 @@ def target_request(request_id: str, prompt: list[int], params: SamplingParams) -
                                            frequency_penalty=params.frequency_penalty,
                                            repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                                            logit_bias=params.logit_bias, min_tokens=params.min_tokens,
-                                           logprobs=params.logprobs))
+                                           logprobs=params.logprobs, guide_kind=params.guide_kind,
+                                           guide=params.guide))
 
 
 async def read_steps(call, n: int) -> AsyncIterator[StepOutput]:

@@ -27,6 +27,7 @@ from shared.engine.proposal import ProposerFactory
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
+from shared.engine.structured import Guides
 from shared.engine.speculation import SpeculationMixin
 from shared.errors import InvalidRequest
 from shared.kv.block_codec import BlockLayout, model_fingerprint
@@ -35,6 +36,7 @@ from shared.kv.block_store import open_block_store
 from shared.model.loader import load_config
 from shared.model.registry import build_model, check_architecture
 from shared.model_files import resolve_model_path
+from shared.tokenizer import Tokenizer
 from shared.quant.model_quant import set_act_quant
 from shared.sampling_params import SamplingParams
 
@@ -86,6 +88,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         if cfg.speculative and make_proposer is None:
             raise ValueError(f"speculative={cfg.speculative!r} needs a proposer factory: build the engine with "
                              "shared.spec.factory.build_engine")
+        self.guides = Guides(lambda: Tokenizer(self.model_path).hf, self.model_cfg.vocab_size)
         self.proposer = make_proposer(cfg, model, self.max_model_len) if cfg.speculative and make_proposer else None
         self.requests: dict[str, list[Sequence]] = {}
         self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
@@ -121,6 +124,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
                 for i in range(params.n)]
         for s in seqs:
             s.long_rope, s.trace_ctx = long_rope, trace_ctx
+            if params.guide_kind:
+                s.guide = self.guides.guide(params.guide_kind, params.guide)
         self.requests[request_id] = seqs
         self.scheduler.add(seqs[0])
         if params.beam_width > 1:
@@ -192,6 +197,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         tokens = sample(process_batch(raw, sampled, self.eos_token_ids), sampled) if sampled else []
         for i, (seq, tok) in enumerate(zip(sampled, tokens)):
             seq.token_ids.append(tok)
+            if seq.guide is not None:
+                seq.guide.accept(tok)
             reason = self._finish_reason(seq, tok)
             if reason:
                 self.scheduler.finish(seq, reason)
@@ -240,7 +247,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or \
+                (seq.guide is not None and seq.guide.done):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"

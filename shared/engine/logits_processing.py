@@ -72,13 +72,17 @@ def stop_ids(params: SamplingParams, eos: set[int]) -> set[int]:
 
 def process_batch(logits: torch.Tensor, seqs: list, eos: set[int]) -> torch.Tensor:
     """logits [N, V], row i sampled for seqs[i] (shared.engine.sequence.Sequence) -> the same tensor when no
-    sequence asks for processing, else a copy with those rows processed."""
-    todo = [i for i, s in enumerate(seqs) if s.params.processed]
+    sequence asks for processing or a grammar, else an fp32 copy with those rows processed, then masked."""
+    todo = [i for i, s in enumerate(seqs) if s.params.processed or s.guide is not None]
     if not todo:
         return logits
-    out = logits.clone()
+    out = logits.float()
+    out = out.clone() if out is logits else out
     for i in todo:
         s = seqs[i]
-        out[i] = process(logits[i:i + 1], s.params, s.token_ids, s.num_prompt_tokens, [len(s)],
-                         stop_ids(s.params, eos))[0]
+        if s.params.processed:
+            out[i] = process(logits[i:i + 1], s.params, s.token_ids, s.num_prompt_tokens, [len(s)],
+                             stop_ids(s.params, eos))[0]
+        if s.guide is not None:
+            s.guide.apply(out[i])
     return out

@@ -25,7 +25,7 @@ class Sequence:
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
                  "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_parents",
                  "spec_k", "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns",
-                 "num_released_blocks", "long_rope")
+                 "num_released_blocks", "long_rope", "guide")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -54,6 +54,7 @@ class Sequence:
         self.trace_ctx = None                    # the request's OpenTelemetry context (None: not traced)
         self.prefill_start_ns = 0                # tracing: when the prompt began computing (-1: span recorded)
         self.generator: torch.Generator | None = None
+        self.guide = None                        # structured output: its grammar state (shared.engine.structured)
         if not params.greedy:
             self.generator = torch.Generator()
             seed = params.seed + index if params.seed is not None else random.getrandbits(63)

@@ -53,7 +53,8 @@ class SpeculationMixin:
         for seq, (tokens, probs, parents) in zip(seqs, proposals):
             if is_chain(parents):
                 parents = None
-            elif not seq.params.greedy or seq.params.processed or seq.params.logprobs is not None:
+            elif (not seq.params.greedy or seq.params.processed or seq.params.logprobs is not None
+                  or seq.guide is not None):
                 continue                      # trees are verified greedily and plainly only: such a sequence
                 #                               decodes without speculation this step
             if tokens:
@@ -76,6 +77,14 @@ class SpeculationMixin:
             rows = logits if not p.processed else process(logits, p, seq.token_ids, seq.num_prompt_tokens,
                                                           list(range(base, base + len(logits))),
                                                           stop_ids(p, self.eos_token_ids))
+            advanced = 0
+            if seq.guide is not None:                 # each row masked in the state its drafts lead to
+                rows = rows.float().clone() if rows is logits else rows
+                for j in range(len(rows)):
+                    seq.guide.apply(rows[j])
+                    if j == len(draft) or not seq.guide.accept(draft[j]):
+                        break                         # rows after a forbidden draft are never reached
+                    advanced += 1
             if p.greedy:
                 n, tok = verify_greedy(rows, draft)
             else:
@@ -83,6 +92,9 @@ class SpeculationMixin:
                 probs = probs_from_logits(rows, torch.full((r,), p.temperature), torch.full((r,), p.top_k),
                                           torch.full((r,), p.top_p), torch.full((r,), p.min_p) if p.min_p else None)
                 n, tok = verify_sampled(probs, q, draft, seq.generator)
+            if seq.guide is not None:
+                seq.guide.rollback(advanced - n)
+                seq.guide.accept(tok)
         num_draft = len(seq.spec_tokens)
         del seq.token_ids[base:]
         seq.spec_tokens, seq.spec_probs, seq.spec_parents = [], None, None

@@ -159,7 +159,7 @@ def post(stack, body: dict) -> tuple[int, dict]:
     ({"logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"min_tokens": 9}, 400, "min_tokens"),
     ({"stop_token_ids": [10**7]}, 400, "stop_token_ids"),
-    ({"guided_json": {"type": "object"}}, 400, "guided_json"),
+    ({"guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend"),
 ])
 def test_fields_are_honoured_or_refused(spec_stack, extra, status, words):
     code, body = post(spec_stack, {"messages": MESSAGES, "max_tokens": 4, **extra})
@@ -229,3 +229,44 @@ def test_tokenize_detokenize_and_model_card(spec_stack, hf_tokenizer, prompt_ids
     assert call("/tokenize", {"prompt": "a", "frobnicate": 1})[0] == 400
     with urllib.request.urlopen(f"http://127.0.0.1:{spec_stack.http_port}/v1/models", timeout=60) as r:
         assert json.loads(r.read())["data"][0]["max_model_len"] == body["max_model_len"]
+
+
+def test_parse_returns_a_validated_object(oai):
+    """The client's chat.completions.parse sends a strict json_schema response_format from a pydantic model."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        capital: bool
+
+    r = oai.chat.completions.parse(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=80,
+                                   messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+                                   response_format=City)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), (dict, list))),
+    ({"extra_body": {"guided_choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
+    ({"extra_body": {"structured_outputs": {"regex": "[0-9]{4}"}}}, lambda t: len(t) == 4 and t.isdigit()),
+    ({"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, lambda t: t in ("yes", "no")),
+    ({"extra_body": {"guided_grammar": 'root ::= "ok" [0-9]'}}, lambda t: t[:2] == "ok" and t[2:].isdigit()),
+])
+def test_structured_outputs_through_the_stack(oai, extra, check):
+    r = chat(oai, max_tokens=60, **extra)
+    assert check(r.choices[0].message.content), r.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "does not compile"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_regex": "[0-9]+", "guided_choice": ["a"]}, "one structured output"),
+    ({"structured_outputs": {"yaml": "x"}}, "structured_outputs.yaml"),
+    ({"guided_choice": []}, "choice"),
+])
+def test_bad_structured_requests_are_400(spec_stack, extra, words):
+    code, body = post(spec_stack, {"messages": MESSAGES, "max_tokens": 4, **extra})
+    assert code == 400 and words in body["error"]["message"], body
