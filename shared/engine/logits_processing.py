@@ -83,6 +83,8 @@ def process_batch(logits: torch.Tensor, seqs: list, eos: set[int]) -> torch.Tens
         if s.params.processed:
             out[i] = process(logits[i:i + 1], s.params, s.token_ids, s.num_prompt_tokens, [len(s)],
                              stop_ids(s.params, eos))[0]
-        if s.guide is not None:
-            s.guide.apply(out[i])
+    guided = [i for i in todo if seqs[i].guide is not None]
+    if guided:
+        from shared.engine.structured import mask_rows
+        mask_rows(out, guided, [seqs[i].guide for i in guided])
     return out

@@ -50,6 +50,26 @@ class Guide:
             self.matcher.rollback(tokens)
 
 
+def mask_rows(logits: torch.Tensor, rows: list[int], guides: list[Guide]) -> None:
+    """logits [N, V] fp32, changed in place: row rows[i] masked by guides[i]'s grammar, all in one batched fill
+    (xgrammar's threads) and one masking pass."""
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])          # [N, ceil(V / 32)] int32
+    _batch().batch_fill_next_token_bitmask([g.matcher for g in guides], bitmask, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+_BATCH = None
+
+
+def _batch():
+    global _BATCH
+    if _BATCH is None:
+        import xgrammar as xgr
+        _BATCH = xgr.BatchGrammarMatcher()
+    return _BATCH
+
+
 class Guides:
     """Compiles requests' grammars for one tokenizer (lazily: the first structured request pays for the tokenizer
     table, a fraction of a second) and makes their Guides."""

@@ -105,3 +105,17 @@ def test_bad_grammars_are_refused(engines, chat_prompt_ids, kind, spec, words):
     with pytest.raises(InvalidRequest, match=words):
         eng.add_request("bad", chat_prompt_ids[0], SamplingParams(max_tokens=4, guide_kind=kind, guide=spec))
     assert "bad" not in eng.requests
+
+
+def test_a_batch_of_different_grammars(engines, hf_model, hf_tokenizer, xgr_compiler, chat_prompt_ids):
+    """Rows of one step masked each by its own grammar, in its own state (one batched fill)."""
+    cases = [CASES[2], CASES[0], (None, None), CASES[3]]
+    prompts = [chat_prompt_ids[i % len(chat_prompt_ids)] for i in range(len(cases))]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=kind is None, guide_kind=kind or "",
+                             guide=spec or "") for kind, spec in cases]
+    want = [reference(hf_model, xgr_compiler, p, kind, spec, 30, hf_tokenizer.eos_token_id) if kind else None
+            for p, (kind, spec) in zip(prompts, cases)]
+    for name, eng in engines.items():
+        got = [o[0] for o in eng.generate(prompts, params)]
+        for g, w in zip(got, want):
+            assert w is None or g == w, name
