@@ -160,9 +160,10 @@ class Tokenizer:
             return self._fallback.hf.convert_ids_to_tokens(ids)
         return [self._tok.id_to_token(i) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """Renders messages with the model's own template and a generation prompt, as transformers'
-        apply_chat_template(messages, add_generation_prompt=True) does."""
+        apply_chat_template(messages, add_generation_prompt=True, tools=tools) does. A template that does not
+        render tools gets them, and earlier calls and results, as text (shared.tool_calls.as_text)."""
         if not messages:
             raise InvalidRequest("messages is empty")
         for i, m in enumerate(messages):
@@ -172,10 +173,14 @@ class Tokenizer:
             raise InvalidRequest("this model has no chat template; send a raw prompt instead of messages")
         from transformers.utils.chat_template_utils import render_jinja_template
 
+        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if uses_tools and "tool" not in self.chat_template:
+            from shared.tool_calls import as_text
+            messages, tools = as_text(messages, tools), None
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             rendered, _ = render_jinja_template(conversations=[chat], chat_template=self.chat_template,
-                                                add_generation_prompt=True, **self.special)
+                                                add_generation_prompt=True, tools=tools or None, **self.special)
         except Exception as e:   # a template may reject a conversation (e.g. roles out of order)
             raise InvalidRequest(f"the model's chat template rejected these messages: {e}") from None
         return self.encode(rendered[0])

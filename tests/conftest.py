@@ -95,6 +95,26 @@ def stack(tmp_path_factory):
         assert code == 0, f"upesi serve exited with {code}:\n{s.log.read_text()[-3000:]}"
 
 
+@pytest.fixture(scope="session")
+def spec_stack(tmp_path_factory):
+    """`upesi serve` in fp32 with a draft service proposing n-gram drafts (K = 4): the OpenAI-surface tests."""
+    s = Stack(tmp_path_factory.mktemp("spec-stack"), ["--dtype", "float32", "--draft", "ngram",
+                                                      "--num-speculative-tokens", "4", "--draft-metrics-port", "0"])
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        assert s.stop() == 0, s.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def oai(spec_stack):
+    """The official openai client on spec_stack."""
+    openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{spec_stack.http_port}/v1", api_key="x", max_retries=0,
+                         timeout=300)
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir) -> str:
     """The tiny random Llama (tiny_llama_dir), as the speculative tests name it."""

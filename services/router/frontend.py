@@ -25,6 +25,7 @@ from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad, choose_
 from shared.sampling_params import SamplingParams
 from shared.text_output import ChoiceText
 from shared.tokenizer import Tokenizer
+from shared.tool_calls import ToolChoice
 
 log = logging.getLogger("upesi.router")
 
@@ -33,7 +34,9 @@ log = logging.getLogger("upesi.router")
 class GenerationInput:
     """A client's request, as parsed from protobuf or JSON."""
     prompt: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)   # role, content (+ tool_calls, tool_call_id)
+    tools: list[dict] | None = None          # OpenAI's tools, rendered by the chat template (shared.tool_calls)
+    tool_choice: ToolChoice | None = None    # how the answer may call them (for the reply); None: it may not
     prompt_ids: list[int] = field(default_factory=list)   # a prompt given as token ids
     max_tokens: int | None = None
     temperature: float | None = None
@@ -133,14 +136,15 @@ class Frontend:
                 raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
             return list(inp.prompt_ids)
         for m in inp.messages:
-            if not isinstance(m.get("content"), str):
-                raise InvalidRequest("every message needs a string content")
-        chars = len(inp.prompt) + sum(len(m["content"]) for m in inp.messages)
+            if not isinstance(m.get("content"), str) and not (m.get("content") is None and m.get("tool_calls")):
+                raise InvalidRequest("every message needs a string content (or tool_calls, for the assistant)")
+        chars = len(inp.prompt) + sum(len(m["content"] or "") + len(str(m.get("tool_calls") or ""))
+                                      for m in inp.messages) + len(str(inp.tools or ""))
         most = self.cfg.max_prompt_chars or 32 * self.info.max_model_len
         if chars > most:
             raise InvalidRequest(f"the prompt has {chars} characters; this server accepts at most {most} "
                                  f"(its context window is {self.info.max_model_len} tokens)")
-        ids = self.tok.apply_chat_template(inp.messages) if inp.messages else self.tok.encode(inp.prompt)
+        ids = self.tok.apply_chat_template(inp.messages, inp.tools) if inp.messages else self.tok.encode(inp.prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenisation")
         return ids

@@ -117,8 +117,15 @@ async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator
                 yield _sse(reply.chunk([reply.delta(i, "", None, role=True)], None, usage))
         chunk: StreamChunk | None = first
         offsets: dict[int, int] = defaultdict(int)          # characters of each choice's text so far
+        held: dict[int, str] = defaultdict(str)             # a tool-calling choice's text, parsed once it ends
         while chunk is not None:
             for c in chunk.choices:
+                if reply.tools is not None:
+                    held[c.index] += c.text
+                    if c.finish_reason:
+                        yield _sse(reply.chunk([reply.tool_delta(c.index, held[c.index], c.finish_reason)], None,
+                                               usage))
+                    continue
                 toks = None if c.logprobs is None else (c.token_ids, c.logprobs, offsets[c.index])
                 offsets[c.index] += len(c.text)
                 yield _sse(reply.chunk([reply.delta(c.index, c.text, c.finish_reason, tokens=toks)], None, usage))
@@ -182,7 +189,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             inputs = generation_inputs(req, frontend.info.vocab_size)
             chat = kind is ChatRequest
             reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                           int(time.time()), frontend.tok)
+                           int(time.time()), frontend.tok, inputs[0].tool_choice)
             n = (inputs[0].n or 1) * len(inputs)         # prompt p's choice j is choice p * n + j
             # Async generators (closed to cancel); no deadline: HTTP clients time out on their own.
             gens = [cast(AsyncGenerator[StreamChunk, None], frontend.stream(i, None, caller)) for i in inputs]

@@ -11,6 +11,7 @@ from typing import Any
 
 from services.router.frontend import ChoiceDelta, Logprob, StreamChunk
 from shared.errors import PeerUnavailable
+from shared.tool_calls import ToolChoice
 
 
 def _usage(c: StreamChunk) -> dict:
@@ -35,14 +36,42 @@ class _Reply:
     id: str
     created: int
     tok: Any = None
+    tools: ToolChoice | None = None           # a chat request that may call tools (mode other than "none")
 
     def whole(self, texts: list[str], reasons: list[str | None], last: StreamChunk,
               tokens: list[_Tokens] | None = None) -> dict:
-        choices = [{"index": i, **({"message": {"role": "assistant", "content": t}} if self.chat else {"text": t}),
-                    "logprobs": self.logprobs(*tokens[i]) if tokens else None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = []
+        for i, (t, r) in enumerate(zip(texts, reasons)):
+            if not self.chat:
+                body: dict[str, Any] = {"text": t}
+            elif self.tools is None:
+                body = {"message": {"role": "assistant", "content": t}}
+            else:
+                message, r = self.tool_message(t, r)
+                body = {"message": message}
+            choices.append({"index": i, **body, "logprobs": self.logprobs(*tokens[i]) if tokens else None,
+                            "finish_reason": r})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": _usage(last)}
+
+    def tool_message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """An assistant message with the calls the answer makes, and its finish reason ("tool_calls" then)."""
+        content, calls = self.tools.calls(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if not calls:
+            return message, reason
+        message["tool_calls"] = [c.as_openai() for c in calls]
+        return message, "tool_calls" if reason == "stop" or self.tools.mode == "named" else reason
+
+    def tool_delta(self, index: int, text: str, reason: str | None) -> dict:
+        """A chat choice's whole answer as one stream delta: its calls, or its content."""
+        message, reason = self.tool_message(text, reason)
+        delta: dict[str, Any] = {}
+        if message["content"]:
+            delta["content"] = message["content"]
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     def chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> dict:
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

@@ -18,18 +18,19 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from services.router.frontend import GenerationInput
 from shared.errors import InvalidRequest
+from shared.tool_calls import tool_choice
 
 Code = grpc.StatusCode
 
 # Fields accepted only at values that ask for nothing: anything else would be silently ignored, so it is refused.
 _NO_OP: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
+    "function_call": (None, "none"),
     "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,),
 }
 # Fields of OpenAI's API that change nothing in the output: accepted and unused.
-_UNUSED = {"metadata", "store", "service_tier", "parallel_tool_calls"}
+_UNUSED = {"metadata", "store", "service_tier"}
 
 
 class ApiError(Exception):
@@ -85,10 +86,16 @@ class CompletionRequest(GenerationRequest):
 class ChatMessage(Body):
     role: str
     content: Any = None                   # a string, or a list of {"type": "text", "text": ...} parts
+    tool_calls: list[dict[str, Any]] | None = None    # an assistant's earlier calls
+    tool_call_id: str | None = None       # a tool result's call
+    name: str | None = None
 
 
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage]
+    tools: list[Any] | None = None
+    tool_choice: Any = None               # "none", "auto", "required" or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -148,6 +155,21 @@ def prompts_of(prompt: Any) -> list[str | list[int]]:
     return prompt
 
 
+def message(i: int, m: ChatMessage) -> dict[str, Any]:
+    """A chat message for the template: text content, and an assistant's calls or a tool result's id."""
+    out: dict[str, Any] = {"role": m.role, "content": None if m.content is None and m.tool_calls
+                           else content_text(i, m.content)}
+    if m.tool_calls:
+        for j, c in enumerate(m.tool_calls):
+            fn = c.get("function")
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+                raise InvalidRequest(f'messages[{i}].tool_calls[{j}] needs {{"function": {{"name", "arguments"}}}}')
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
 def content_text(i: int, content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -173,7 +195,16 @@ def generation_input(req: GenerationRequest, vocab_size: int) -> GenerationInput
                           stop_token_ids=list(req.stop_token_ids or []))
     inp.guide_kind, inp.guide = structured(req)
     if isinstance(req, ChatRequest):
-        inp.messages = [{"role": m.role, "content": content_text(i, m.content)} for i, m in enumerate(req.messages)]
+        inp.messages = [message(i, m) for i, m in enumerate(req.messages)]
+        choice = tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls is not False)
+        if choice is not None and choice.mode != "none":
+            inp.tools, inp.tool_choice = choice.tools, choice
+            kind, spec = choice.guide()
+            if kind and inp.guide_kind:
+                raise ApiError(Code.INVALID_ARGUMENT, f"tool_choice {choice.mode} and a structured output cannot "
+                               "be combined", param="tool_choice")
+            if kind:
+                inp.guide_kind, inp.guide = kind, spec
         inp.max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(Code.INVALID_ARGUMENT, "top_logprobs needs logprobs: true", param="top_logprobs")

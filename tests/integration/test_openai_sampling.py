@@ -10,29 +10,10 @@ import urllib.request
 import pytest
 import torch
 
-from tests.conftest import CHAT_PROMPTS, Stack
+from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": CHAT_PROMPTS[1]}]
-
-
-@pytest.fixture(scope="module")
-def spec_stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("sampling-stack"),
-              ["--dtype", "float32", "--draft", "ngram", "--num-speculative-tokens", "4",
-               "--draft-metrics-port", "0"])
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        assert s.stop() == 0, s.log.read_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def oai(spec_stack):
-    openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install openai")
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{spec_stack.http_port}/v1", api_key="x", max_retries=0,
-                         timeout=300)
 
 
 @pytest.fixture(scope="module")
