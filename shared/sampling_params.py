@@ -31,6 +31,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0               # EOS and stop_token_ids are masked until the output has this many tokens
     logprobs: int | None = None       # per token: the chosen one's log-probability and the top N (0 to 20)
+    prompt_logprobs: int | None = None   # each prompt token's log-probability (after the first) and the top N
     # structured output (shared/engine/structured.py): "json_schema" (guide: the schema as JSON), "json_object",
     # "regex", "choice" (guide: a JSON list of strings) or "grammar" (EBNF); "" = none
     guide_kind: str = ""
@@ -75,9 +76,11 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
                                  f"got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequest(f"logprobs must be between 0 and 20, got {self.logprobs}")
-        if self.beam_width > 1 and (self.processed or self.logprobs is not None or self.guide_kind):
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise InvalidRequest(f"{name} must be between 0 and 20, got {getattr(self, name)}")
+        if self.beam_width > 1 and (self.processed or self.logprobs is not None or self.guide_kind
+                                    or self.prompt_logprobs is not None):
             raise InvalidRequest("beam search takes no penalties, logit_bias, min_tokens, logprobs or structured "
                                  "output")
         self._check_guide()

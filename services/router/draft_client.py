@@ -81,10 +81,11 @@ class DraftClient:
         """The target's replay of the request from its first token, less what the caller already has."""
         async for out in target.generate(request_id, prompt, params, timeout, attach=True):
             deltas = []
-            for index, tokens, reason, lps in out.deltas:
+            for index, tokens, reason, lps, prompt in out.deltas:
                 skip = min(have.get(index, 0), len(tokens))
                 have[index] = have.get(index, 0) - skip
-                deltas.append((index, tokens[skip:], reason, None if lps is None else lps[skip:]))
+                deltas.append((index, tokens[skip:], reason, None if lps is None else lps[skip:],
+                               None if skip else prompt))
             out.deltas = deltas
             yield out
 

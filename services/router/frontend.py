@@ -57,6 +57,7 @@ class GenerationInput:
     min_tokens: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None              # top N per token (0: the chosen token's only); None: none
+    prompt_logprobs: int | None = None       # the prompt's log-probabilities (echo with logprobs), top N
     guide_kind: str = ""                     # structured output (shared.sampling_params.SamplingParams)
     guide: str = ""
 
@@ -68,6 +69,7 @@ class ChoiceDelta:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[Logprob] | None = None        # per token of token_ids: (logprob, top ids, top logprobs)
+    prompt_logprobs: tuple[list[int], list[Logprob]] | None = None   # with the first tokens: prompt ids, logprobs
 
 
 @dataclass(slots=True)
@@ -185,7 +187,8 @@ class Frontend:
                                 repetition_penalty=1.0 if inp.repetition_penalty is None else inp.repetition_penalty,
                                 min_p=inp.min_p or 0.0, logit_bias=dict(inp.logit_bias),
                                 min_tokens=inp.min_tokens or 0, stop_token_ids=list(inp.stop_token_ids),
-                                logprobs=inp.logprobs, guide_kind=inp.guide_kind, guide=inp.guide)
+                                logprobs=inp.logprobs, guide_kind=inp.guide_kind, guide=inp.guide,
+                                prompt_logprobs=inp.prompt_logprobs)
         vocab = self.info.vocab_size
         for name, toks in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if toks and max(toks) >= vocab:
@@ -287,12 +290,13 @@ class Frontend:
                     cached = max(cached, step.cached_tokens)
                     spec.update(step.spec)
                     out, stopped = [], []
-                    for index, tokens, reason, lps in step.deltas:
+                    for index, tokens, reason, lps, prompt in step.deltas:
                         d = choices[index].push(tokens, reason)
                         if d.stop_string_hit:
                             stopped.append(index)
                         if d.text or d.token_ids or d.finish_reason:
-                            out.append(ChoiceDelta(index, d.text, d.token_ids, d.finish_reason, lps))
+                            out.append(ChoiceDelta(index, d.text, d.token_ids, d.finish_reason, lps,
+                                                   None if prompt is None else (ids, prompt)))
                     if stopped:
                         await target.abort(request_id, stopped)
                     now = time.perf_counter()

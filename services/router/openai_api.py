@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from services.router.frontend import Frontend, StreamChunk
-from services.router.openai_reply import _collect, _Reply, _sse, _usage, merge_prompts
+from services.router.openai_reply import _collect, _Reply, _sse, _usage, merge_prompts, with_prompt
 from services.router.openai_request import (ApiError, ChatRequest, CompletionRequest, GenerationRequest,
                                             generation_inputs, parse)
 from shared import metrics
@@ -126,9 +126,12 @@ async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator
                         yield _sse(reply.chunk([reply.tool_delta(c.index, held[c.index], c.finish_reason)], None,
                                                usage))
                     continue
-                toks = None if c.logprobs is None else (c.token_ids, c.logprobs, offsets[c.index])
-                offsets[c.index] += len(c.text)
-                yield _sse(reply.chunk([reply.delta(c.index, c.text, c.finish_reason, tokens=toks)], None, usage))
+                text = c.text
+                if reply.echo and c.index not in offsets:         # a choice's first delta: its prompt first
+                    text = reply.echo[c.index] + text
+                toks = None if c.logprobs is None else (*with_prompt(c), offsets[c.index])
+                offsets[c.index] += len(text)
+                yield _sse(reply.chunk([reply.delta(c.index, text, c.finish_reason, tokens=toks)], None, usage))
             if chunk.done and usage:
                 yield _sse(reply.chunk([], _usage(chunk), True))
             chunk = await anext(gen, None)
@@ -190,6 +193,8 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             chat = kind is ChatRequest
             reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                            int(time.time()), frontend.tok, inputs[0].tool_choice)
+            if not chat and req.echo:
+                reply.echo = [i.prompt or frontend.tok.decode(i.prompt_ids) for i in inputs for _ in range(i.n or 1)]
             n = (inputs[0].n or 1) * len(inputs)         # prompt p's choice j is choice p * n + j
             # Async generators (closed to cancel); no deadline: HTTP clients time out on their own.
             gens = [cast(AsyncGenerator[StreamChunk, None], frontend.stream(i, None, caller)) for i in inputs]

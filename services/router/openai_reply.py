@@ -37,13 +37,14 @@ class _Reply:
     created: int
     tok: Any = None
     tools: ToolChoice | None = None           # a chat request that may call tools (mode other than "none")
+    echo: list[str] | None = None             # completions with echo: each choice's prompt text
 
     def whole(self, texts: list[str], reasons: list[str | None], last: StreamChunk,
               tokens: list[_Tokens] | None = None) -> dict:
         choices = []
         for i, (t, r) in enumerate(zip(texts, reasons)):
             if not self.chat:
-                body: dict[str, Any] = {"text": t}
+                body: dict[str, Any] = {"text": self.echo[i] + t if self.echo else t}
             elif self.tools is None:
                 body = {"message": {"role": "assistant", "content": t}}
             else:
@@ -107,8 +108,17 @@ class _Reply:
             offsets.append(offset)
             offset += len(name(t))
         return {"tokens": [name(t) for t in ids], "token_logprobs": [lp for lp, _, _ in lps],
-                "top_logprobs": [{name(t): lp, **{name(i): x for i, x in zip(top, xs)}}
+                "top_logprobs": [None if lp is None else {name(t): lp, **{name(i): x for i, x in zip(top, xs)}}
                                  for t, (lp, top, xs) in zip(ids, lps)], "text_offset": offsets}
+
+
+def with_prompt(c: ChoiceDelta) -> tuple[list[int], list[Logprob]]:
+    """A choice delta's tokens and log-probabilities, after its prompt's when it carries them (echo): the first
+    prompt token has none."""
+    if c.prompt_logprobs is None:
+        return list(c.token_ids), list(c.logprobs or [])
+    ids, lps = c.prompt_logprobs
+    return ids + list(c.token_ids), [(None, [], [])] + lps + list(c.logprobs or [])
 
 
 async def _collect(gen: AsyncIterator[StreamChunk], n: int
@@ -123,8 +133,9 @@ async def _collect(gen: AsyncIterator[StreamChunk], n: int
             texts[c.index] += c.text
             reasons[c.index] = c.finish_reason or reasons.get(c.index)
             if c.logprobs is not None:
-                tokens[c.index][0].extend(c.token_ids)
-                tokens[c.index][1].extend(c.logprobs)
+                ids, lps = with_prompt(c)
+                tokens[c.index][0].extend(ids)
+                tokens[c.index][1].extend(lps)
         last = chunk
     if last is None:
         raise PeerUnavailable("the generation ended without an answer")
@@ -158,7 +169,8 @@ async def merge_prompts(gens: list[AsyncGenerator[StreamChunk, None]], n: int) -
                 raise chunk
             last[p] = chunk
             done = len(last) == len(gens) and all(c.done for c in last.values())
-            yield StreamChunk([ChoiceDelta(p * n + c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
+            yield StreamChunk([ChoiceDelta(p * n + c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
+                                           c.prompt_logprobs)
                                for c in chunk.choices],
                               sum(c.prompt_tokens for c in last.values()),
                               sum(c.completion_tokens for c in last.values()),

@@ -24,7 +24,7 @@ Code = grpc.StatusCode
 
 # Fields accepted only at values that ask for nothing: anything else would be silently ignored, so it is refused.
 _NO_OP: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
+    "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
     "function_call": (None, "none"),
     "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,),
@@ -81,6 +81,7 @@ class GenerationRequest(Body):
 class CompletionRequest(GenerationRequest):
     prompt: Any = None                    # prompts_of's forms
     logprobs: int | None = None           # the top N per token (0: the chosen token's only)
+    echo: bool | None = None              # the prompt before the completion (with logprobs: the prompt's too)
 
 
 class ChatMessage(Body):
@@ -212,6 +213,8 @@ def generation_input(req: GenerationRequest, vocab_size: int) -> GenerationInput
     elif isinstance(req, CompletionRequest):
         inp.max_tokens = 16 if req.max_tokens is None else req.max_tokens     # OpenAI's default for completions
         inp.logprobs = req.logprobs
+        if req.echo and req.logprobs is not None:
+            inp.prompt_logprobs = req.logprobs
     return inp
 
 

@@ -29,8 +29,9 @@ class TargetInfo:
 
 @dataclass(slots=True)
 class StepOutput:
-    # (choice index, new token ids, finish reason, per token (logprob, top ids, top logprobs) or None)
-    deltas: list[tuple[int, list[int], str | None, list[Logprob] | None]]
+    # (choice index, new token ids, finish reason, per token (logprob, top ids, top logprobs) or None, the
+    # prompt's (tokens 1 .. P-1) with a choice's first tokens or None)
+    deltas: list[tuple[int, list[int], str | None, list[Logprob] | None, list[Logprob] | None]]
     spec: dict[int, tuple[int, int]]                   # choice index -> (draft tokens, accepted tokens) so far
     prompt_tokens: int
     cached_tokens: int
@@ -114,7 +115,11 @@ def target_request(request_id: str, prompt: list[int], params: SamplingParams) -
                                            repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                                            logit_bias=params.logit_bias, min_tokens=params.min_tokens,
                                            logprobs=params.logprobs, guide_kind=params.guide_kind,
-                                           guide=params.guide))
+                                           guide=params.guide, prompt_logprobs=params.prompt_logprobs))
+
+
+def _logprobs(lps) -> list[Logprob]:
+    return [(lp.logprob, list(lp.top_ids), list(lp.top_logprobs)) for lp in lps]
 
 
 async def read_steps(call, n: int) -> AsyncIterator[StepOutput]:
@@ -123,8 +128,8 @@ async def read_steps(call, n: int) -> AsyncIterator[StepOutput]:
     try:
         async for msg in call:
             out = StepOutput([(d.index, list(d.token_ids), d.finish_reason or None,
-                               [(lp.logprob, list(lp.top_ids), list(lp.top_logprobs)) for lp in d.logprobs]
-                               if d.logprobs else None) for d in msg.deltas],
+                               _logprobs(d.logprobs) if d.logprobs else None,
+                               _logprobs(d.prompt_logprobs) if d.has_prompt_logprobs else None) for d in msg.deltas],
                              {d.index: (d.draft_tokens, d.accepted_tokens) for d in msg.deltas},
                              msg.prompt_tokens, msg.cached_tokens)
             unfinished -= sum(1 for d in msg.deltas if d.finish_reason)

@@ -191,11 +191,13 @@ class Relay:
 
 
 def delta_to_pb(d, first: bool) -> target_pb2.TargetGenerateResponse:
-    lps = [target_pb2.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
-           for lp in d.logprobs or ()]
+    def pb(lps):
+        return [target_pb2.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+                for lp in lps or ()]
     msg = target_pb2.TargetGenerateResponse(deltas=[target_pb2.TokenDelta(
         index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
-        draft_tokens=d.num_draft_tokens, accepted_tokens=d.num_accepted_tokens, logprobs=lps)])
+        draft_tokens=d.num_draft_tokens, accepted_tokens=d.num_accepted_tokens, logprobs=pb(d.logprobs),
+        prompt_logprobs=pb(d.prompt_logprobs), has_prompt_logprobs=d.prompt_logprobs is not None)])
     if first:
         msg.prompt_tokens, msg.cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
     return msg

@@ -24,3 +24,4 @@ class Delta:
     num_draft_tokens: int = 0            # speculative decoding, cumulative for the choice
     num_accepted_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None   # one per token of token_ids, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None   # with a choice's first tokens: prompt tokens 1 .. P-1

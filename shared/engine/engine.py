@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from contextlib import contextmanager
 
 import torch
@@ -120,8 +121,9 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
             raise InvalidRequest(f"the prompt needs {need} KV blocks but the cache has only "
                                  f"{self.block_manager.num_blocks} in all (block size {self.cfg.block_size})")
         long_rope = self._past_window(len(prompt))
-        seqs = [Sequence(request_id, i, prompt, params, self._cache_extra(prompt, params.cache_salt))
-                for i in range(params.n)]
+        # the prompt's log-probabilities need every prompt row computed: a salt of its own, so no cached block
+        salt = params.cache_salt if params.prompt_logprobs is None else f"{params.cache_salt}\0{uuid.uuid4().hex}"
+        seqs = [Sequence(request_id, i, prompt, params, self._cache_extra(prompt, salt)) for i in range(params.n)]
         for s in seqs:
             s.long_rope, s.trace_ctx = long_rope, trace_ctx
             if params.guide_kind:
@@ -176,6 +178,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
             telemetry.prefill_starting(batch.seqs)
         with telemetry.step_scope(traced), self._step_threads(sum(batch.num_tokens)):
             logits, groups = self.runner.run(batch)      # expert dispatch spans (parent: the first traced request)
+        self._keep_prompt_logprobs(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             if not seq.spec_tokens:
@@ -227,6 +230,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
                 if child.is_finished:
                     continue
                 self.block_manager.fork(parent, child)
+                if parent.prompt_logprobs is not None:
+                    child.prompt_logprobs = list(parent.prompt_logprobs)
                 self.scheduler.start(child)
                 sampled.append(child)
                 rows.append(row)
@@ -255,8 +260,20 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         return None
 
     def _delta(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta:
+        first = seq.prompt_logprobs is not None and seq.num_output_tokens == len(tokens)
         return Delta(seq.request_id, seq.index, tokens, seq.finish_reason, seq.num_prompt_tokens,
-                     seq.num_cached_tokens, seq.num_draft_tokens, seq.num_accepted_tokens, logprobs)
+                     seq.num_cached_tokens, seq.num_draft_tokens, seq.num_accepted_tokens, logprobs,
+                     seq.prompt_logprobs if first else None)
+
+    def _keep_prompt_logprobs(self, batch) -> None:
+        """Log-probabilities of the prompt rows the runner computed, for the sequences that asked (a recomputed
+        prompt, after preemption, adds nothing twice)."""
+        for b, first, logits in self.runner.prompt_logits or ():
+            seq = batch.seqs[b]
+            skip = len(seq.prompt_logprobs) - first
+            if skip < len(logits):
+                toks = seq.token_ids[first + 1 + skip:first + 1 + len(logits)]
+                seq.prompt_logprobs += token_logprobs(logits[skip:], toks, seq.params.prompt_logprobs)
 
     def _forget_finished(self, request_id: str) -> None:
         seqs = self.requests.get(request_id)

@@ -23,6 +23,8 @@ def kv_cache_layout(model: torch.nn.Module | None, cfg: ModelConfig) -> tuple[in
 
 
 class ModelRunner:
+    prompt_logits: list[tuple[int, int, torch.Tensor]] | None = None     # of the last run (_prompt_logits)
+
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
@@ -197,4 +199,18 @@ class ModelRunner:
             firsts = meta.slot_mapping[meta.slot_mapping % self.block_size == 0]    # a block (re)written from its start
             self.hidden_ok[firsts // self.block_size] = True
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)   # [N, V]
+        self.prompt_logits = self._prompt_logits(batch, hidden)
         return logits, which
+
+    def _prompt_logits(self, batch: ScheduledBatch, hidden: torch.Tensor
+                       ) -> list[tuple[int, int, torch.Tensor]] | None:
+        """(batch index, first position, logits [n, V]) of the prompt rows of sequences that asked for the prompt's
+        log-probabilities: row i predicts prompt token first + i + 1."""
+        out, start = [], 0
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            c, last = seq.num_computed_tokens, seq.num_prompt_tokens - 1
+            if seq.params.prompt_logprobs is not None and c < last:
+                k = min(c + n, last) - c
+                out.append((b, c, self.model.compute_logits(hidden[start:start + k])))
+            start += n
+        return out or None

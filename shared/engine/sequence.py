@@ -25,7 +25,7 @@ class Sequence:
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
                  "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_parents",
                  "spec_k", "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns",
-                 "num_released_blocks", "long_rope", "guide")
+                 "num_released_blocks", "long_rope", "guide", "prompt_logprobs")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -55,6 +55,7 @@ class Sequence:
         self.prefill_start_ns = 0                # tracing: when the prompt began computing (-1: span recorded)
         self.generator: torch.Generator | None = None
         self.guide = None                        # structured output: its grammar state (shared.engine.structured)
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None   # position p: token p+1
         if not params.greedy:
             self.generator = torch.Generator()
             seed = params.seed + index if params.seed is not None else random.getrandbits(63)

@@ -186,7 +186,7 @@ def test_bad_requests_get_openai_errors_and_the_stack_keeps_serving(client, mode
     ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt[1]"),
     ("/v1/completions", {"prompt": ["a"] * 33}, "at most 32"),
     ("/v1/completions", {"prompt": [10**9]}, "token ids"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "there"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "stop": 3}, "stop"),
 ])
 def test_malformed_bodies_are_400_in_openai_format(stack, path, body, words):

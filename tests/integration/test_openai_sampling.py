@@ -251,3 +251,26 @@ def test_structured_outputs_through_the_stack(oai, extra, check):
 def test_bad_structured_requests_are_400(spec_stack, extra, words):
     code, body = post(spec_stack, {"messages": MESSAGES, "max_tokens": 4, **extra})
     assert code == 400 and words in body["error"]["message"], body
+
+
+def test_echo_with_logprobs_scores_the_prompt(oai, hf_model, hf_tokenizer):
+    """What lm-eval's loglikelihood requests send: echo, logprobs and one new token; each prompt token after the
+    first carries its log-probability under transformers' fp32 logits (the prompt's own rows are computed even
+    when its blocks are cached)."""
+    text = "The capital of France is Paris, and the capital of Italy is"
+    ids = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    for _ in range(2):
+        r = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=text, max_tokens=1, temperature=0,
+                                   logprobs=1, echo=True)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text.startswith(text) and len(lp.tokens) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for p in range(1, len(ids)):
+            assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 0.02
+            assert max(lp.top_logprobs[p].values()) == pytest.approx(ref[p - 1].max().item(), abs=0.02)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    plain = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=text, max_tokens=3, temperature=0,
+                                   echo=True)
+    assert plain.choices[0].text.startswith(text) and plain.choices[0].logprobs is None

@@ -149,3 +149,28 @@ def test_logprobs_equal_log_softmax(flat, hf, spec: str | None) -> None:
         assert max(abs(a - b) for a, b in zip(lp.top_logprobs, vals.tolist())) < 1e-4
     _, chosen_only = collect(eng, prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=0))
     assert len(chosen_only) == 4 and all(not lp.top_ids for lp in chosen_only)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_prompt_logprobs_equal_log_softmax(flat, hf, chunk: int | None) -> None:
+    """Each prompt token after the first: its log-probability and the top 3 under transformers' logits, with the
+    prompt computed in one pass or in chunks of 8, for both of n = 2 choices, and again when the same prompt's
+    blocks are cached (those rows are computed anyway)."""
+    eng = build_engine(EngineConfig(model=flat, progress=False, num_kv_blocks=128, block_size=4,
+                                    **({"max_num_batched_tokens": chunk} if chunk else {})))
+    prompt = PROMPTS[5]                                     # 40 tokens
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)      # [P, V]
+    for _ in range(2):
+        eng.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=2, n=2, prompt_logprobs=3))
+        got: dict[int, list] = {}
+        while eng.has_unfinished():
+            for d in eng.step():
+                if d.prompt_logprobs is not None:
+                    got[d.index] = d.prompt_logprobs
+        assert set(got) == {0, 1}
+        for lps in got.values():
+            assert len(lps) == len(prompt) - 1
+            for p, lp in enumerate(lps):
+                assert abs(lp.logprob - ref[p, prompt[p + 1]].item()) < 1e-4
+                assert lp.top_ids == ref[p].topk(3).indices.tolist()

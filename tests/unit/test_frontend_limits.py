@@ -31,7 +31,7 @@ class FakeTarget:
         if self.fail:
             self.up = False
             raise PeerUnavailable(f"target {self.address} is unavailable: connection refused")
-        yield StepOutput([(0, [42], "length", None)], {}, len(prompt), 0)
+        yield StepOutput([(0, [42], "length", None, None)], {}, len(prompt), 0)
 
 
 def frontend(targets: list[FakeTarget], **cfg) -> Frontend:
