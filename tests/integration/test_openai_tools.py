@@ -94,3 +94,24 @@ def test_bad_tool_requests_are_400(oai, kw, words):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
     assert words in e.value.response.json()["error"]["message"]
+
+
+def test_pydantic_ai_agent_gets_a_validated_object(spec_stack):
+    """A structured-output library on the client: pydantic-ai's Agent asks for its output type through a required
+    tool call, and gets a validated object back."""
+    pytest.importorskip("pydantic_ai", reason="pydantic-ai is a test dependency")
+    from pydantic import BaseModel
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class City(BaseModel):
+        name: str
+        country: str
+        capital: bool
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"http://127.0.0.1:{spec_stack.http_port}/v1",
+                                                           api_key="x"))
+    agent = Agent(model, output_type=City, model_settings={"temperature": 0, "max_tokens": 80})
+    city = agent.run_sync("Describe Paris.").output
+    assert isinstance(city, City) and city.name
