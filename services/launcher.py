@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from services.launcher_commands import Child, router_command
+from services.launcher_commands import Child, hide_secrets, router_command
 from services.launcher_commands import children as launch_children
 from services.serve_config import ServeConfig
 from shared.config import add_config_arguments, config_from_args
@@ -42,7 +42,9 @@ def _die_with_parent() -> None:
 
 
 def _child(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "services.cli", *args], start_new_session=True,
+    shown, secret = hide_secrets(args)
+    env = {**(env or {}), **secret} or None
+    p = subprocess.Popen([sys.executable, "-m", "services.cli", *shown], start_new_session=True,
                          preexec_fn=_die_with_parent if _prctl() is not None else None,
                          env=None if env is None else {**os.environ, **env})
     p.upesi_command = (args, env)                    # to start it again (_wait_healthy)

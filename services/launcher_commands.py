@@ -7,6 +7,22 @@ import os
 from dataclasses import dataclass
 
 from services.serve_config import ServeConfig
+from shared.config import SECRET_OPTIONS
+
+
+def hide_secrets(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A child's arguments without its secret options (shared.config.SECRET_OPTIONS), and the environment that
+    gives them to it instead: `ps` and /proc/PID/cmdline show no key or password."""
+    flags = {"--" + name.replace("_", "-"): env for name, env in SECRET_OPTIONS.items()}
+    shown, secret, i = [], {}, 0
+    while i < len(args):
+        if args[i] in flags and i + 1 < len(args):
+            secret[flags[args[i]]] = args[i + 1]
+            i += 2
+            continue
+        shown.append(args[i])
+        i += 1
+    return shown, secret
 
 
 def tls_args(cfg: ServeConfig, client: bool) -> list[str]:

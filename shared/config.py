@@ -11,9 +11,27 @@ import dataclasses
 import os
 import types
 import typing
+from urllib.parse import urlsplit, urlunsplit
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+# options whose values are secrets (keys, or URLs that may carry a password): --help says whether one is set, never
+# what it is, and `upesi serve` hands them to its services in the environment, never on a command line
+SECRET_OPTIONS = {"api_key": "UPESI_API_KEY", "cache_secret": "UPESI_CACHE_SECRET", "kv_store": "UPESI_KV_STORE",
+                  "registry": "UPESI_REGISTRY"}
+
+
+def redact_url(url: str) -> str:
+    """A URL as it may be shown: without the password (redis://:SECRET@host -> redis://:***@host)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 def option(default: Any, help: str) -> Any:
@@ -45,7 +63,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         env = f"UPESI_{f.name.upper()}"
         default = os.environ.get(env, f.default)
         text = f.metadata.get("help", "").replace("%", "%%")                 # argparse formats help with %
-        help_text = f"{text} (env {env}; default: %(default)s)"
+        # a secret's help says whether it is set; "%(default).0s" prints nothing but stops a defaults-showing
+        # formatter from adding the value itself
+        shown = ("set" if default else "not set") + "%(default).0s" if f.name in SECRET_OPTIONS else "%(default)s"
+        help_text = f"{text} (env {env}; default: {shown})"
         flag = "--" + f.name.replace("_", "-")
         if tp is bool:
             parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=_parse_bool(default),

@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shared.config import redact_url
 from shared.ops.cpu_features import cpu_has_native_bf16
 from shared.tree import MAX_TREE_NODES
 
@@ -99,7 +100,7 @@ def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES, what: str = "dtype
 def check_kv_store(url: str | None, budget_gb: float, ttl_s: float, host_gb: float, disk_gb: float = 10.0) -> None:
     """The one check of the block store settings (engine, target and serve configs)."""
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"kv_store must be a redis:// URL (redis://host:port/db), got {url!r}")
+        raise ValueError(f"kv_store must be a redis:// URL (redis://host:port/db), got {redact_url(url)!r}")
     if budget_gb <= 0 or ttl_s <= 0:
         raise ValueError(f"kv_store_gb and kv_store_ttl_s must be positive, got {budget_gb} and {ttl_s}")
     if host_gb < 0:

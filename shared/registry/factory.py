@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from shared.config import redact_url
 from shared.registry.base import DEFAULT_LEASE_S, PrefixRegistry
 
 
@@ -34,7 +35,7 @@ def open_registry(url: str | None, *, lease_s: float = DEFAULT_LEASE_S) -> Prefi
     scheme = urlsplit(url).scheme
     backend = _BACKENDS.get(scheme)
     if backend is None:
-        raise ValueError(f"unknown registry URL {url!r}: use 'memory' or 'redis://host:port/db'")
+        raise ValueError(f"unknown registry URL {redact_url(url)!r}: use 'memory' or 'redis://host:port/db'")
     return backend(url, lease_s)
 
 

@@ -25,7 +25,8 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None, binary: str = "redis-server") -> None:
+    def __init__(self, workdir: Path, port: int | None = None, binary: str = "redis-server",
+                 password: str | None = None) -> None:
         path = shutil.which(binary)
         if path is None:
             raise RuntimeError(f"{binary} not found on PATH; install Redis (e.g. apt-get install redis-server)")
@@ -34,10 +35,12 @@ class RedisServer:
         self.port = port
         self._proc: subprocess.Popen[bytes] | None = None
         self._picked_port = port is None
+        self.password = password               # requirepass, from a config file (not on the command line)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -60,8 +63,11 @@ class RedisServer:
 
     def _spawn(self) -> None:
         log = self.workdir / "redis.log"
+        conf = self.workdir / "redis.conf"
+        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
         args = [
             self.binary,
+            str(conf),
             "--port",
             str(self.port),
             "--bind",
@@ -93,7 +99,8 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                reply = s.recv(64)
+                return reply.startswith(b"+PONG") or (self.password is not None and reply.startswith(b"-NOAUTH"))
         except OSError:
             return False
 
