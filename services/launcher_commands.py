@@ -120,4 +120,5 @@ def router_command(cfg: ServeConfig) -> list[str]:
               if cfg.draft else []),
             *(["--model", cfg.model] if cfg.model else []), *(["--registry", cfg.registry] if cfg.registry else []),
             *tls_args(cfg, client=True),
-            *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else [])]
+            *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []),
+            *(["--chat-template", os.path.abspath(cfg.chat_template)] if cfg.chat_template else [])]

@@ -25,6 +25,7 @@ DIRECT_HOST_GB = 1.0          # a decode target's host tier for P/D with direct 
 class ServeConfig:
     model: str | None = options.model()
     hf_overrides: str | None = options.hf_overrides()
+    chat_template: str | None = option(None, "router: a Jinja chat template file used instead of the model's own")
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (default: the model's file or "
                                                  "folder name without extension or quantisation suffix)")
     address: str = option("127.0.0.1:50051", "router gRPC address (the public API)")
@@ -95,6 +96,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template {self.chat_template!r} is not a file")
         parse_hf_overrides(self.hf_overrides)
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)

@@ -26,6 +26,9 @@ from shared.errors import InvalidRequest
 from shared.model_files import file_version, is_gguf
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# what a request's chat_template_kwargs may not set: the renderer's own arguments
+RESERVED_TEMPLATE_NAMES = frozenset({"conversations", "messages", "chat_template", "tools", "documents",
+                                     "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask"})
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 log = logging.getLogger(__name__)
 
@@ -160,7 +163,12 @@ class Tokenizer:
             return self._fallback.hf.convert_ids_to_tokens(ids)
         return [self._tok.id_to_token(i) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+    def use_chat_template(self, template: str) -> None:
+        """Renders chats with `template` (Jinja) instead of the model's own."""
+        self.chat_template, self.has_chat_template = template, bool(template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                            **template_kwargs: Any) -> list[int]:
         """Renders messages with the model's own template and a generation prompt, as transformers'
         apply_chat_template(messages, add_generation_prompt=True, tools=tools) does. A template that does not
         render tools gets them, and earlier calls and results, as text (shared.tool_calls.as_text)."""
@@ -173,6 +181,9 @@ class Tokenizer:
             raise InvalidRequest("this model has no chat template; send a raw prompt instead of messages")
         from transformers.utils.chat_template_utils import render_jinja_template
 
+        reserved = RESERVED_TEMPLATE_NAMES & set(template_kwargs)
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {sorted(reserved)}")
         uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
         if uses_tools and "tool" not in self.chat_template:
             from shared.tool_calls import as_text
@@ -180,7 +191,8 @@ class Tokenizer:
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             rendered, _ = render_jinja_template(conversations=[chat], chat_template=self.chat_template,
-                                                add_generation_prompt=True, tools=tools or None, **self.special)
+                                                add_generation_prompt=True, tools=tools or None,
+                                                **{**self.special, **template_kwargs})
         except Exception as e:   # a template may reject a conversation (e.g. roles out of order)
             raise InvalidRequest(f"the model's chat template rejected these messages: {e}") from None
         return self.encode(rendered[0])

@@ -1,6 +1,8 @@
 """The router's settings."""
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 from services import options
@@ -30,6 +32,7 @@ class RouterConfig(options.TLS):
     kv_transfer: str = options.kv_transfer()
     registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (default: load only)")
     model: str | None = option(None, "model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)")
+    chat_template: str | None = option(None, "a Jinja chat template file used instead of the model's own")
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (/v1/models, the `model` of "
                                                  "requests and responses); default: the model's file or folder "
                                                  "name without extension or quantisation suffix")
@@ -60,6 +63,8 @@ class RouterConfig(options.TLS):
         return [a.strip() for a in (self.prefill_target or "").split(",") if a.strip()]
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template {self.chat_template!r} is not a file")
         if min(self.max_concurrent_requests, self.max_n, self.http_max_connections) < 1:
             raise ValueError("max_concurrent_requests, max_n and http_max_connections must be positive")
         if self.speculative_max_requests < 0:

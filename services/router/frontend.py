@@ -10,14 +10,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from services.router.auth import KeyTable
 from services.router.config import RouterConfig
 from services.router.draft_client import DraftClient
 from services.router.limits import Caller
 from services.router.spec_guard import SpeculationGuard
-from services.router.target_client import Logprob, TargetClient, TargetInfo
+from services.router.generation_io import ChoiceDelta, GenerationInput, Logprob, StreamChunk
+from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
 from shared.errors import Draining, InvalidRequest, Overloaded, PeerUnavailable
 from shared.kv.hashing import cache_extra, hash_chain
@@ -25,62 +25,8 @@ from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad, choose_
 from shared.sampling_params import SamplingParams
 from shared.text_output import ChoiceText
 from shared.tokenizer import Tokenizer
-from shared.tool_calls import ToolChoice
 
 log = logging.getLogger("upesi.router")
-
-
-@dataclass(slots=True)
-class GenerationInput:
-    """A client's request, as parsed from protobuf or JSON."""
-    prompt: str = ""
-    messages: list[dict[str, Any]] = field(default_factory=list)   # role, content (+ tool_calls, tool_call_id)
-    tools: list[dict] | None = None          # OpenAI's tools, rendered by the chat template (shared.tool_calls)
-    tool_choice: ToolChoice | None = None    # how the answer may call them (for the reply); None: it may not
-    prompt_ids: list[int] = field(default_factory=list)   # a prompt given as token ids
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    n: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    cache_salt: str = ""
-    beam_width: int | None = None
-    num_speculative_tokens: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: int | None = None              # top N per token (0: the chosen token's only); None: none
-    prompt_logprobs: int | None = None       # the prompt's log-probabilities (echo with logprobs), top N
-    guide_kind: str = ""                     # structured output (shared.sampling_params.SamplingParams)
-    guide: str = ""
-
-
-@dataclass(slots=True)
-class ChoiceDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[Logprob] | None = None        # per token of token_ids: (logprob, top ids, top logprobs)
-    prompt_logprobs: tuple[list[int], list[Logprob]] | None = None   # with the first tokens: prompt ids, logprobs
-
-
-@dataclass(slots=True)
-class StreamChunk:
-    choices: list[ChoiceDelta]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    done: bool
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
 
 
 class Frontend:
@@ -146,7 +92,8 @@ class Frontend:
         if chars > most:
             raise InvalidRequest(f"the prompt has {chars} characters; this server accepts at most {most} "
                                  f"(its context window is {self.info.max_model_len} tokens)")
-        ids = self.tok.apply_chat_template(inp.messages, inp.tools) if inp.messages else self.tok.encode(inp.prompt)
+        ids = (self.tok.apply_chat_template(inp.messages, inp.tools, **inp.template_kwargs) if inp.messages
+               else self.tok.encode(inp.prompt))
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenisation")
         return ids

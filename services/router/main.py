@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 import logging
 
 from services.router.config import RouterConfig
@@ -50,7 +51,10 @@ async def serve(cfg: RouterConfig) -> None:
         await asyncio.wait(joins, timeout=PREFILL_JOIN_S)
     registry = open_registry(cfg.registry) if cfg.registry else None
     drafts = [DraftClient(a) for a in cfg.draft_addresses()]      # connect lazily: a draft may start later
-    frontend = Frontend(cfg, await tokenizer_task, targets, infos[0], registry, keys, drafts,
+    tokenizer = await tokenizer_task
+    if cfg.chat_template:
+        tokenizer.use_chat_template(Path(cfg.chat_template).read_text())
+    frontend = Frontend(cfg, tokenizer, targets, infos[0], registry, keys, drafts,
                         served_model=cfg.served_model_name or served_name(model_path), prefill=prefill)
     http = None
 

@@ -97,6 +97,7 @@ class ChatRequest(GenerationRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None               # "none", "auto", "required" or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None     # extra variables for the chat template (vLLM's)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -197,6 +198,9 @@ def generation_input(req: GenerationRequest, vocab_size: int) -> GenerationInput
     inp.guide_kind, inp.guide = structured(req)
     if isinstance(req, ChatRequest):
         inp.messages = [message(i, m) for i, m in enumerate(req.messages)]
+        inp.template_kwargs = dict(req.chat_template_kwargs or {})
+        if len(json.dumps(inp.template_kwargs)) > 65536:
+            raise InvalidRequest("chat_template_kwargs is larger than 64 KiB")
         choice = tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls is not False)
         if choice is not None and choice.mode != "none":
             inp.tools, inp.tool_choice = choice.tools, choice

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.router.generation_io import Logprob
 from shared.errors import PeerUnavailable
 from shared.rpc.channel import ClientTLS, aio_channel
 from shared.sampling_params import SamplingParams
 from upesi.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger("upesi.router")
-Logprob = tuple[float, list[int], list[float]]
 
 
 @dataclass(slots=True)

@@ -141,6 +141,8 @@ def post(stack, body: dict) -> tuple[int, dict]:
     ({"min_tokens": 9}, 400, "min_tokens"),
     ({"stop_token_ids": [10**7]}, 400, "stop_token_ids"),
     ({"guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, 200, ""),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, 400, "add_generation_prompt"),
 ])
 def test_fields_are_honoured_or_refused(spec_stack, extra, status, words):
     code, body = post(spec_stack, {"messages": MESSAGES, "max_tokens": 4, **extra})
