@@ -15,6 +15,14 @@ class Overloaded(RuntimeError):
     """Too many requests in flight; maps to RESOURCE_EXHAUSTED."""
 
 
+class RateLimited(Overloaded):
+    """A caller over its requests or tokens per minute; RESOURCE_EXHAUSTED (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class Unauthenticated(RuntimeError):
     """No API key, or a wrong one, where the server requires one; maps to UNAUTHENTICATED (HTTP 401)."""
 

@@ -10,6 +10,8 @@ health and reflection services and HTTP /health and /metrics stay open (probes a
       max_tokens: 512              # the largest max_tokens a request may ask for (unset is capped to it)
       max_n: 4
       max_concurrent_requests: 8   # this key's requests in flight at once
+      requests_per_minute: 60      # over the last 60 s; beyond it 429 with Retry-After
+      tokens_per_minute: 20000     # prompt tokens as admitted plus output tokens as they end
     keys:
       - name: alice                # optional; errors and logs name the key by it, never by its secret
         key: sk-alice-0123456789

@@ -161,9 +161,15 @@ class Frontend:
             ids, params = await asyncio.to_thread(self.prepare, inp, caller)
             params.cache_salt = caller.cache_salt(inp.cache_salt)
             with caller.admitted():
-                async with contextlib.aclosing(self._stream(ids, params, inp, deadline)) as chunks:   # closing it
-                    async for chunk in chunks:                                        # cancels the target's work
-                        yield chunk
+                caller.check_rate(len(ids))                  # after the concurrency slot: a refusal costs no rate
+                out = 0
+                try:
+                    async with contextlib.aclosing(self._stream(ids, params, inp, deadline)) as chunks:  # closing
+                        async for chunk in chunks:                                  # it cancels the target's work
+                            out = chunk.completion_tokens
+                            yield chunk
+                finally:
+                    caller.count_tokens(out)
         finally:
             self.in_flight -= 1
             metrics.IN_FLIGHT.dec()

@@ -1,18 +1,25 @@
-"""Per-caller request limits: prompt length, max_tokens, n and requests in flight.
+"""Per-caller request limits: prompt length, max_tokens, n, requests in flight, requests and tokens per minute.
 
 The router's own flags are hard caps for every caller; an API keys file (see auth.py) may tighten them with its
 `defaults` and per key. Request-size limits raise InvalidRequest (INVALID_ARGUMENT / HTTP 400); the concurrency limit
-raises Overloaded (RESOURCE_EXHAUSTED / HTTP 429). Every message says what to change.
+raises Overloaded and the rate limits RateLimited (RESOURCE_EXHAUSTED / HTTP 429, with Retry-After). Rates count over
+the last 60 s: requests as they are admitted, tokens as prompt tokens at admission plus output tokens as they end.
+Every message says what to change.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import InvalidRequest, Overloaded
+from shared.errors import InvalidRequest, Overloaded, RateLimited
+
+WINDOW_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +29,8 @@ class Limits:
     max_tokens: int | None = None          # the largest max_tokens a request may ask for; unset max_tokens is capped
     max_n: int | None = None
     max_concurrent_requests: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None   # prompt and output tokens
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -51,9 +60,11 @@ class Limits:
 class Caller:
     """Who sent a request (one API key, or everyone when no keys are configured) and what they may ask for."""
 
-    def __init__(self, name: str, limits: Limits) -> None:
-        self.name, self.limits = name, limits
+    def __init__(self, name: str, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name, self.limits, self.clock = name, limits, clock
         self.in_flight = 0                     # this caller's requests now being served (one event loop: no lock)
+        self._admitted: deque[float] = deque()             # when requests were admitted, last 60 s
+        self._tokens: deque[tuple[float, int]] = deque()   # (when, tokens), last 60 s
         self.partition = ""                    # this caller's share of the prefix cache ("" = the anonymous one)
 
     def cache_salt(self, client_salt: str) -> str:
@@ -82,6 +93,38 @@ class Caller:
         if lim.max_n is not None and n > lim.max_n:
             raise InvalidRequest(f"n (or beam_width) {n} is above the limit of {self.who}; ask for at most "
                                  f"{lim.max_n} choices")
+
+    def check_rate(self, prompt_tokens: int) -> None:
+        """Admits a request of prompt_tokens against the per-minute limits (and counts it), or raises RateLimited
+        with the wait after which it would pass; InvalidRequest for a prompt no minute can take."""
+        lim, now = self.limits, self.clock()
+        while self._admitted and now - self._admitted[0] >= WINDOW_S:
+            self._admitted.popleft()
+        while self._tokens and now - self._tokens[0][0] >= WINDOW_S:
+            self._tokens.popleft()
+        rpm, tpm = lim.requests_per_minute, lim.tokens_per_minute
+        if rpm is not None and len(self._admitted) >= rpm:
+            wait = WINDOW_S - (now - self._admitted[0])
+            raise RateLimited(f"{self.who} allows {rpm} requests a minute; retry in {math.ceil(wait)} s", wait)
+        if tpm is not None:
+            if prompt_tokens > tpm:
+                raise InvalidRequest(f"the prompt has {prompt_tokens} tokens but {self.who} allows {tpm} tokens "
+                                     "a minute; shorten it")
+            used, wait = sum(n for _, n in self._tokens), 0.0
+            for t, n in self._tokens:                      # the oldest leave first
+                if used + prompt_tokens <= tpm:
+                    break
+                used, wait = used - n, WINDOW_S - (now - t)
+            if wait > 0:
+                raise RateLimited(f"{self.who} allows {tpm} tokens a minute; retry in {math.ceil(wait)} s", wait)
+        if rpm is not None:
+            self._admitted.append(now)
+        self.count_tokens(prompt_tokens)
+
+    def count_tokens(self, tokens: int) -> None:
+        """Adds tokens (a finished request's output) to this minute's count."""
+        if tokens and self.limits.tokens_per_minute is not None:
+            self._tokens.append((self.clock(), tokens))
 
     @contextmanager
     def admitted(self) -> Iterator[None]:

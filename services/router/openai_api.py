@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections import defaultdict
@@ -25,7 +26,7 @@ from services.router.openai_reply import _collect, _Reply, _sse, _usage, merge_p
 from services.router.openai_request import (ApiError, ChatRequest, CompletionRequest, GenerationRequest,
                                             generation_inputs, parse)
 from shared import metrics
-from shared.errors import Unauthenticated
+from shared.errors import RateLimited, Unauthenticated
 from shared.rpc.errors import status_for
 
 log = logging.getLogger("upesi.router.http")
@@ -81,9 +82,11 @@ def error_body(exc: BaseException) -> tuple[grpc.StatusCode, int, dict]:
 
 
 def error_response(exc: BaseException) -> tuple[grpc.StatusCode, JSONResponse]:
-    """The HTTP answer to a refused request; a 401 also names the scheme to use."""
+    """The HTTP answer to a refused request; a 401 also names the scheme to use, a rate limit when to retry."""
     code, http, body = error_body(exc)
     headers = {"WWW-Authenticate": "Bearer"} if http == 401 else None
+    if isinstance(exc, RateLimited):
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
     return code, JSONResponse(body, status_code=http, headers=headers)
 
 

@@ -18,7 +18,7 @@ from upesi.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
-SMALL, OTHER = "sk-small-7f3a9c", "sk-other-18be42"
+SMALL, OTHER, RATED = "sk-small-7f3a9c", "sk-other-18be42", "sk-rated-5d2e60"
 KEYS = f"""
 defaults:
   max_concurrent_requests: 1
@@ -30,6 +30,9 @@ keys:
     max_prompt_tokens: 48
   - name: other
     key: {OTHER}
+  - name: rated
+    key: {RATED}
+    requests_per_minute: 2
 """
 QUESTION = [pb.ChatMessage(role="user", content="Name a colour.")]
 INTERNAL = "internal-token-for-this-test-0451"
@@ -242,3 +245,16 @@ def test_the_target_serves_only_the_deployment(stack):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         out = list(stub.Generate(req, metadata=[("x-upesi-internal-token", INTERNAL)], timeout=60))
         assert sum(len(d.token_ids) for m in out for d in m.deltas) == 2
+
+
+def test_requests_per_minute_get_429_with_retry_after_and_leave_other_keys_alone(stack):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for _ in range(2):
+        assert http(stack, "/v1/chat/completions", body, RATED)[0] == 200
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions", data=json.dumps(
+        body).encode(), headers={"Content-Type": "application/json", "Authorization": f"Bearer {RATED}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=120)
+    assert e.value.code == 429 and 1 <= int(e.value.headers["Retry-After"]) <= 60
+    assert "2 requests a minute" in json.loads(e.value.read())["error"]["message"]
+    assert http(stack, "/v1/chat/completions", body, OTHER)[0] == 200

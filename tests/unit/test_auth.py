@@ -131,3 +131,28 @@ def test_http_errors_have_openais_401_body():
     _, r = error_response(Unauthenticated("no API key given", missing=True))
     assert b'"code":null' in r.body
     assert [error_response(e)[1].status_code for e in (Overloaded("x"), InvalidRequest("y"))] == [429, 400]
+
+
+def test_requests_and_tokens_per_minute_with_the_wait_to_retry():
+    from services.router.limits import Caller, Limits
+    from shared.errors import RateLimited
+    now = [100.0]
+    c = Caller("k", Limits(requests_per_minute=2, tokens_per_minute=100), clock=lambda: now[0])
+    c.check_rate(30)
+    now[0] += 10
+    c.check_rate(30)
+    with pytest.raises(RateLimited) as e:                        # a third request within the minute
+        c.check_rate(1)
+    assert e.value.retry_after_s == pytest.approx(50.0) and "2 requests a minute" in str(e.value)
+    now[0] = 160.5                                               # the first request left the window
+    c.count_tokens(35)                                           # 30 + 35 in the window, +40 would pass 100
+    with pytest.raises(RateLimited, match="100 tokens a minute") as e:
+        c.check_rate(40)
+    assert e.value.retry_after_s == pytest.approx(9.5)           # when the 30 prompt tokens of 110.0 leave
+    c.check_rate(35)
+    with pytest.raises(InvalidRequest, match="100 tokens a minute"):
+        Caller("k", Limits(tokens_per_minute=100)).check_rate(101)
+    free = Caller("", Limits())
+    for _ in range(100):
+        free.check_rate(10_000)                                  # no limits: nothing counted, nothing refused
+    assert not free._admitted and not free._tokens
