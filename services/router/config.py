@@ -14,9 +14,12 @@ class RouterConfig(options.TLS):
     address: str = option("127.0.0.1:50051", "public gRPC listen address")
     http_host: str = option("127.0.0.1", "HTTP host for /health and /metrics")
     http_port: int = option(8000, "HTTP port (0 = off)")
-    http_max_connections: int = option(1024, "open HTTP connections and requests at once; beyond it the HTTP port "
-                                             "answers 503 at once (requests in flight are limited separately by "
-                                             "--max-concurrent-requests)")
+    http_max_connections: int = option(1024, "HTTP requests handled at once (idle connections do not count); "
+                                             "beyond it the HTTP port answers 503 at once (generations in flight "
+                                             "are limited separately by --max-concurrent-requests)")
+    http_header_timeout_s: float = option(10.0, "an HTTP connection that has not sent a whole request header this "
+                                                "long after it opened is closed (idle keep-alive connections close "
+                                                "after 5 s)")
     target: str = option("127.0.0.1:50061", "target replica addresses, comma-separated")
     draft: str | None = option(None, "draft replica addresses, comma-separated: speculative requests go through "
                                      "them, each driving a Verify stream to the chosen target (default: none)")

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -37,11 +39,57 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def start_http(app: FastAPI, host: str, port: int, max_connections: int | None = None
-                     ) -> tuple[_Server, asyncio.Task]:
-    """Serves `app`; beyond `max_connections` open connections and tasks, uvicorn answers 503 at once."""
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                    limit_concurrency=max_connections))
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a header deadline: a connection that has not sent a whole request header
+    `header_timeout_s` after it opened is closed (a slow or silent client holds no socket for long), and beyond
+    `max_open` open connections a new one is closed at once (file descriptors stay for the busy ones)."""
+    header_timeout_s = 10.0
+    max_open = 4096
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_open:
+            transport.close()
+            return
+        self.loop.call_later(self.header_timeout_s, self._close_if_silent)
+
+    def _close_if_silent(self) -> None:
+        if self.cycle is None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class _Busy:
+    """ASGI middleware: at most `limit` HTTP requests handled at once, 503 beyond (idle connections do not count,
+    as they do in uvicorn's own limit)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit, self.active = app, limit, 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.active < self.limit:
+            self.active += scope["type"] == "http"
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.active -= scope["type"] == "http"
+            return
+        body = b'{"error": {"message": "the server is busy; retry", "type": "service_unavailable_error", ' \
+               b'"param": null, "code": null}}'
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def start_http(app: FastAPI, host: str, port: int, max_connections: int | None = None,
+                     header_timeout_s: float = 10.0) -> tuple[_Server, asyncio.Task]:
+    """Serves `app`; beyond `max_connections` requests handled at once it answers 503 at once. Idle connections
+    close after a header deadline or uvicorn's keep-alive timeout, and count toward no limit but the file
+    descriptors this process may open."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    protocol = type("Protocol", (_Protocol,), {"header_timeout_s": header_timeout_s,
+                                               "max_open": max(64, min(16384, soft - 256))})
+    server = _Server(uvicorn.Config(_Busy(app, max_connections) if max_connections else app, host=host, port=port,
+                                    log_level="warning", lifespan="off", http=protocol, timeout_keep_alive=5))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

@@ -61,7 +61,8 @@ async def serve(cfg: RouterConfig) -> None:
     async def on_start() -> None:
         nonlocal http
         if cfg.http_port:
-            http = await start_http(build_app(frontend), cfg.http_host, cfg.http_port, cfg.http_max_connections)
+            http = await start_http(build_app(frontend), cfg.http_host, cfg.http_port, cfg.http_max_connections,
+                                    cfg.http_header_timeout_s)
 
     async def on_stop() -> None:
         if http:
