@@ -121,4 +121,5 @@ def router_command(cfg: ServeConfig) -> list[str]:
             *(["--model", cfg.model] if cfg.model else []), *(["--registry", cfg.registry] if cfg.registry else []),
             *tls_args(cfg, client=True),
             *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []),
-            *(["--chat-template", os.path.abspath(cfg.chat_template)] if cfg.chat_template else [])]
+            *(["--chat-template", os.path.abspath(cfg.chat_template)] if cfg.chat_template else []),
+            *(["--reasoning-parser", cfg.reasoning_parser] if cfg.reasoning_parser else [])]

@@ -97,9 +97,11 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def spec_stack(tmp_path_factory):
-    """`upesi serve` in fp32 with a draft service proposing n-gram drafts (K = 4): the OpenAI-surface tests."""
+    """`upesi serve` in fp32 with a draft service proposing n-gram drafts (K = 4) and the <think> reasoning parser
+    on: the OpenAI-surface tests."""
     s = Stack(tmp_path_factory.mktemp("spec-stack"), ["--dtype", "float32", "--draft", "ngram",
-                                                      "--num-speculative-tokens", "4", "--draft-metrics-port", "0"])
+                                                      "--num-speculative-tokens", "4", "--draft-metrics-port", "0",
+                                                      "--reasoning-parser", "think"])
     try:
         s.wait_ready()
         yield s

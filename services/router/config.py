@@ -36,6 +36,8 @@ class RouterConfig(options.TLS):
     registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (default: load only)")
     model: str | None = option(None, "model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)")
     chat_template: str | None = option(None, "a Jinja chat template file used instead of the model's own")
+    reasoning_parser: str = option("", "think: a chat answer's <think>...</think> (Qwen3, DeepSeek-R1) is returned as "
+                                       "reasoning_content apart from content; empty = off")
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (/v1/models, the `model` of "
                                                  "requests and responses); default: the model's file or folder "
                                                  "name without extension or quantisation suffix")
@@ -66,6 +68,8 @@ class RouterConfig(options.TLS):
         return [a.strip() for a in (self.prefill_target or "").split(",") if a.strip()]
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser not in ("", "think"):
+            raise ValueError(f"reasoning_parser must be 'think' or empty, got {self.reasoning_parser!r}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"chat_template {self.chat_template!r} is not a file")
         if min(self.max_concurrent_requests, self.max_n, self.http_max_connections) < 1:

@@ -27,6 +27,7 @@ from services.router.openai_request import (ApiError, ChatRequest, CompletionReq
                                             generation_inputs, parse)
 from shared import metrics
 from shared.errors import RateLimited, Unauthenticated
+from shared.reasoning import Splitter
 from shared.rpc.errors import status_for
 
 log = logging.getLogger("upesi.router.http")
@@ -121,6 +122,7 @@ async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator
         chunk: StreamChunk | None = first
         offsets: dict[int, int] = defaultdict(int)          # characters of each choice's text so far
         held: dict[int, str] = defaultdict(str)             # a tool-calling choice's text, parsed once it ends
+        splitters: dict[int, Splitter] = {}
         while chunk is not None:
             for c in chunk.choices:
                 if reply.tools is not None:
@@ -134,6 +136,11 @@ async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator
                     text = reply.echo[c.index] + text
                 toks = None if c.logprobs is None else (*with_prompt(c), offsets[c.index])
                 offsets[c.index] += len(text)
+                if reply.chat and reply.reasoning:             # the thinking apart, a held-back tag aside
+                    r, t = splitters.setdefault(c.index, Splitter()).push(text, final=bool(c.finish_reason))
+                    lp = reply.logprobs(*toks) if toks else None
+                    yield _sse(reply.chunk([reply.reasoning_delta(c.index, r, t, c.finish_reason, lp)], None, usage))
+                    continue
                 yield _sse(reply.chunk([reply.delta(c.index, text, c.finish_reason, tokens=toks)], None, usage))
             if chunk.done and usage:
                 yield _sse(reply.chunk([], _usage(chunk), True))
@@ -195,7 +202,8 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             inputs = generation_inputs(req, frontend.info.vocab_size)
             chat = kind is ChatRequest
             reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                           int(time.time()), frontend.tok, inputs[0].tool_choice)
+                           int(time.time()), frontend.tok, inputs[0].tool_choice,
+                           reasoning=frontend.cfg.reasoning_parser == "think")
             if not chat and req.echo:
                 reply.echo = [i.prompt or frontend.tok.decode(i.prompt_ids) for i in inputs for _ in range(i.n or 1)]
             n = (inputs[0].n or 1) * len(inputs)         # prompt p's choice j is choice p * n + j

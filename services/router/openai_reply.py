@@ -11,6 +11,7 @@ from typing import Any
 
 from services.router.frontend import ChoiceDelta, Logprob, StreamChunk
 from shared.errors import PeerUnavailable
+from shared.reasoning import split as split_reasoning
 from shared.tool_calls import ToolChoice
 
 
@@ -38,6 +39,7 @@ class _Reply:
     tok: Any = None
     tools: ToolChoice | None = None           # a chat request that may call tools (mode other than "none")
     echo: list[str] | None = None             # completions with echo: each choice's prompt text
+    reasoning: bool = False                   # chat: <think>...</think> becomes reasoning_content
 
     def whole(self, texts: list[str], reasons: list[str | None], last: StreamChunk,
               tokens: list[_Tokens] | None = None) -> dict:
@@ -46,19 +48,32 @@ class _Reply:
             if not self.chat:
                 body: dict[str, Any] = {"text": self.echo[i] + t if self.echo else t}
             elif self.tools is None:
-                body = {"message": {"role": "assistant", "content": t}}
+                body = {"message": self.thought({"role": "assistant", "content": t})}
             else:
                 message, r = self.tool_message(t, r)
+                message = self.thought(message)
                 body = {"message": message}
             choices.append({"index": i, **body, "logprobs": self.logprobs(*tokens[i]) if tokens else None,
                             "finish_reason": r})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": _usage(last)}
 
+    def thought(self, message: dict) -> dict:
+        """A chat message with its reasoning apart (shared.reasoning), when this reply splits it."""
+        if not self.reasoning or not message.get("content"):
+            return message
+        reasoning, content = split_reasoning(message["content"])
+        if reasoning is None:
+            return message
+        return {**message, "content": content, "reasoning_content": reasoning}
+
     def tool_message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """An assistant message with the calls the answer makes, and its finish reason ("tool_calls" then)."""
+        reasoning, text = split_reasoning(text) if self.reasoning else (None, text)
         content, calls = self.tools.calls(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if not calls:
             return message, reason
         message["tool_calls"] = [c.as_openai() for c in calls]
@@ -68,6 +83,8 @@ class _Reply:
         """A chat choice's whole answer as one stream delta: its calls, or its content."""
         message, reason = self.tool_message(text, reason)
         delta: dict[str, Any] = {}
+        if message.get("reasoning_content"):
+            delta["reasoning_content"] = message["reasoning_content"]
         if message["content"]:
             delta["content"] = message["content"]
         if "tool_calls" in message:
@@ -87,6 +104,11 @@ class _Reply:
         if not self.chat:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
         delta: dict[str, str] = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+
+    def reasoning_delta(self, index: int, reasoning: str, content: str, reason: str | None,
+                        lp: dict | None = None) -> dict:
+        delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
     def logprobs(self, ids: list[int], lps: list[Logprob], offset: int = 0) -> dict:

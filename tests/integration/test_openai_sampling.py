@@ -276,3 +276,20 @@ def test_echo_with_logprobs_scores_the_prompt(oai, hf_model, hf_tokenizer):
     plain = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=text, max_tokens=3, temperature=0,
                                    echo=True)
     assert plain.choices[0].text.startswith(text) and plain.choices[0].logprobs is None
+
+
+def test_reasoning_content_apart_plain_and_streamed(oai):
+    """With --reasoning-parser think, a chat answer's <think>...</think> is reasoning_content (a regex forces the
+    default model, which does not think, to answer in that shape)."""
+    kw = dict(max_tokens=60, extra_body={"structured_outputs": {"regex": "<think>[a-z]{3,12}</think>[A-Z][a-z]{2,8}"}})
+    r = chat(oai, **kw).choices[0].message.model_dump()
+    assert r["reasoning_content"].isalpha() and r["content"][0].isupper() and "<think>" not in r["content"]
+    reasoning = content = ""
+    for chunk in chat(oai, stream=True, **kw):
+        for ch in chunk.choices:
+            d = ch.delta.model_dump()
+            reasoning += d.get("reasoning_content") or ""
+            content += d.get("content") or ""
+    assert (reasoning, content) == (r["reasoning_content"], r["content"])
+    plain = chat(oai, max_tokens=8).choices[0].message.model_dump()
+    assert plain.get("reasoning_content") is None and plain["content"]

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("shared.errors", "shared.sampling_params", "shared.cache_dir", "shared.config", "shared.telemetry",
               "shared.metrics", "shared.tensor_codec", "shared.model_files", "shared.tree")),
-    ("text", ("shared.tokenizer", "shared.detokenizer", "shared.text_output", "shared.tool_calls")),
+    ("text", ("shared.tokenizer", "shared.detokenizer", "shared.text_output", "shared.tool_calls",
+              "shared.reasoning")),
     ("ops", ("shared.ops",)),
     ("quant", ("shared.quant",)),
     ("model", ("shared.model",)),
