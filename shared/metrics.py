@@ -25,6 +25,8 @@ PREFIX_HITS = Counter("upesi_prefix_cache_hits", "Prompt tokens served from the 
 
 _TRANSFER = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 KV_STORE_HITS = Counter("upesi_kv_store_hits_total", "KV blocks read from the block store", ["tier"])
+KV_STORE_WRITE_FAILURES = Counter("upesi_kv_store_write_failures_total",
+                                  "KV blocks a tier failed to store (tried again when next committed)", ["tier"])
 KV_STORE_MISSES = Counter("upesi_kv_store_misses_total", "KV blocks looked up in the block store and not found")
 KV_STORE_SKIPPED = Counter("upesi_kv_store_skipped_total",
                            "KV blocks computed instead of read because reading was measured to cost more")

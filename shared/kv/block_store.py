@@ -240,6 +240,22 @@ class KVBlockStore:
         if len(self._known) > KNOWN_HASHES:
             self._known.popitem(last=False)
 
+    def _write_disk(self, batch: list[tuple[BlockHash, bytes]]) -> None:
+        """Writes a batch to the disk tier; a block that fails (a full disk) is counted and forgotten, so that its
+        next commit tries again, and the rest of the batch, and Redis, go on."""
+        written, failed, error = 0, 0, None
+        for h, v in batch:
+            try:
+                self.disk.put(h, v)
+                written += len(v)
+            except OSError as e:
+                failed, error = failed + 1, e
+                self._known.pop(h, None)
+        metrics.KV_STORE_BYTES.labels("write").inc(written)
+        if failed:
+            metrics.KV_STORE_WRITE_FAILURES.labels("disk").inc(failed)
+            log.warning("%d KV blocks not written to the disk tier: %s", failed, error)
+
     def _write_loop(self) -> None:
         try:                                     # Linux: a thread's own nice value; the steps' threads go first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
@@ -257,9 +273,7 @@ class KVBlockStore:
                 for start in range(0, len(items), WRITE_BATCH):
                     batch = [(h, encode(h, self.layout, b)) for h, b in items[start:start + WRITE_BATCH]]
                     if self.disk is not None:
-                        for h, v in batch:
-                            self.disk.put(h, v)
-                        metrics.KV_STORE_BYTES.labels("write").inc(sum(len(v) for _, v in batch))
+                        self._write_disk(batch)
                     if self.remote is None:
                         continue
                     t0 = time.perf_counter()
@@ -267,6 +281,7 @@ class KVBlockStore:
                         metrics.KV_STORE_WRITE_SECONDS.observe(time.perf_counter() - t0)
                         metrics.KV_STORE_BYTES.labels("write").inc(sum(len(v) for _, v in batch))
                     else:
+                        metrics.KV_STORE_WRITE_FAILURES.labels("redis").inc(len(batch))
                         for h, _ in batch:
                             self._known.pop(h, None)
             except Exception:                                 # a writer that dies would leak the pending bytes

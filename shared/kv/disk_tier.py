@@ -4,7 +4,8 @@
 
 The index is rebuilt from the directory when the tier opens, so a target restarted on the same machine finds the
 blocks it wrote before. Files are written to a temporary name and renamed, so a reader never sees half a block;
-a file that fails the codec's checks is deleted. One writer (the store's writer thread) and one reader (the engine
+a file that fails the codec's checks is deleted, a write that fails (a full disk) leaves no file behind, and
+temporary files left by a process that died mid-write are removed when the tier opens. One writer (the store's writer thread) and one reader (the engine
 thread) at a time.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ class DiskTier:
         self.used_bytes = 0
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, int] = OrderedDict()      # hash -> file size, oldest first
+        for path in self.dir.glob(f".{tag}-*.tmp"):          # a write cut short by a crash
+            path.unlink(missing_ok=True)
         found = []
         for path in self.dir.glob(f"{tag}-*{SUFFIX}"):
             try:
@@ -62,8 +65,12 @@ class DiskTier:
         if len(value) > self.budget_bytes:
             return
         tmp = self.dir / f".{self.tag}-{h:016x}.{threading.get_ident()}.tmp"
-        tmp.write_bytes(value)
-        os.replace(tmp, self.path(h))
+        try:
+            tmp.write_bytes(value)
+            os.replace(tmp, self.path(h))
+        except OSError:                                       # a full disk, say: no half-written file stays
+            tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             self.used_bytes += len(value) - self._index.pop(h, 0)
             self._index[h] = len(value)
