@@ -5,8 +5,8 @@
 The index is rebuilt from the directory when the tier opens, so a target restarted on the same machine finds the
 blocks it wrote before. Files are written to a temporary name and renamed, so a reader never sees half a block;
 a file that fails the codec's checks is deleted, a write that fails (a full disk) leaves no file behind, and
-temporary files left by a process that died mid-write are removed when the tier opens. One writer (the store's writer thread) and one reader (the engine
-thread) at a time.
+temporary files left by a process that died mid-write are removed when the tier opens. One writer (the store's
+writer thread) and one reader (the engine thread) at a time.
 """
 from __future__ import annotations
 
