@@ -2,7 +2,8 @@
 
 `generate` asks the draft to run the request with a named target (the draft drives the Verify stream, see
 protos/upesi/v1/draft.proto). If the draft fails (UNAVAILABLE: it died, or cannot reach the target; or
-PERMISSION_DENIED: the target is not on its --targets), the router attaches to the request on the target itself,
+PERMISSION_DENIED: the target is not on its --targets; or stalls: no answer for `stall_s` once answers flow,
+`first_stall_s` before the first, as when it is frozen), the router attaches to the request on the target itself,
 which has been going on without speculation; the target replays the request's output from its first token, and the
 tokens the client already has are skipped. The client sees one uninterrupted stream. If the target does not run the
 request (the draft never opened it), it starts there afresh when the client has nothing yet, and fails with
@@ -10,6 +11,7 @@ UNAVAILABLE otherwise (two runs are never spliced). If the target is gone too, t
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,9 +27,29 @@ from upesi.v1 import draft_pb2, draft_pb2_grpc
 log = logging.getLogger("upesi.router.draft")
 
 
+class Stalled(Exception):
+    """The draft sent nothing for longer than the stall limit."""
+
+
+async def _unstalled(steps: AsyncIterator[StepOutput], first_s: float, next_s: float) -> AsyncIterator[StepOutput]:
+    """steps, raising Stalled when the first does not come within first_s or a later one within next_s."""
+    limit = first_s
+    while True:
+        try:
+            out = await asyncio.wait_for(anext(steps), limit)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise Stalled from None
+        limit = next_s
+        yield out
+
+
 class DraftClient:
-    def __init__(self, address: str, retry_after_s: float = 5.0) -> None:
+    def __init__(self, address: str, retry_after_s: float = 5.0, stall_s: float = 3.0,
+                 first_stall_s: float = 60.0) -> None:
         self.address, self.retry_after_s = address, retry_after_s
+        self.stall_s, self.first_stall_s = stall_s, first_stall_s
         self.channel = aio_channel(address, options=keepalive_options())
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
         self.in_flight = 0
@@ -45,11 +67,19 @@ class DraftClient:
         try:
             call = self.stub.Generate(draft_pb2.DraftGenerateRequest(
                 target=target.address, request=target_request(request_id, prompt, params)), timeout=timeout)
-            async for out in read_steps(call, params.n):
-                for index, tokens, *_ in out.deltas:
-                    have[index] = have.get(index, 0) + len(tokens)
-                yield out
+            steps = read_steps(call, params.n)
+            try:
+                async for out in _unstalled(steps, self.first_stall_s, self.stall_s):
+                    for index, tokens, *_ in out.deltas:
+                        have[index] = have.get(index, 0) + len(tokens)
+                    yield out
+            finally:
+                await steps.aclose()                          # cancels the call
             return
+        except Stalled:
+            self.down_until = time.monotonic() + self.retry_after_s
+            log.warning("draft %s sent nothing for %.0f s (frozen?); %s goes on with target %s alone", self.address,
+                        self.stall_s if any(have.values()) else self.first_stall_s, request_id, target.address)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.PERMISSION_DENIED:       # not one of the draft's --targets
                 log.warning("draft %s refuses target %s (%s); %s runs there without speculation", self.address,

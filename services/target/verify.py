@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
 from collections.abc import Callable
 
 import torch
@@ -42,12 +41,14 @@ class StreamProposer:
     """The proposer of one Verify stream's sequences, called on the engine thread: one exchange per step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, outbox: asyncio.Queue, timeout_s: float,
-                 retry_after_s: float = 5.0, vocab_size: int | None = None) -> None:
-        self.loop, self.outbox, self.timeout_s, self.retry_after_s = loop, outbox, timeout_s, retry_after_s
+                 vocab_size: int | None = None) -> None:
+        self.loop, self.outbox, self.timeout_s = loop, outbox, timeout_s
         self.vocab_size = vocab_size              # proposals outside it are refused (None: not checked)
         self.wants_hidden = True                  # until the draft's hello says otherwise
         self.alive = True
-        self.down_until = 0.0
+        # the step the draft did not answer in time (frozen, overloaded): its sequences decode without drafts, and
+        # no step waits for it again, until its late answer shows it is back
+        self.unanswered: int | None = None
         self.sent: dict[int, int] = {}            # seq_id -> tokens the draft has (still valid ones counted)
         self.known: set[int] = set()              # seq_ids the draft may hold a mirror of (released at the end)
         self.hidden: dict[int, tuple[int, list[torch.Tensor]]] = {}   # seq_id -> (first position, [M, D] pieces)
@@ -64,7 +65,7 @@ class StreamProposer:
         """Sends this step's verdicts and returns a function that waits for the draft's proposals: the engine's
         mux sends to every stream first and then waits, so that the drafts of several streams work at once."""
         none: list[Proposal] = [NO_PROPOSAL] * len(seqs)
-        if not self.alive or time.monotonic() < self.down_until:
+        if not self.alive or self.unanswered is not None:
             return lambda: none
         req = target_pb2.ProposeRequest()
         for s, k in zip(seqs, ks):
@@ -96,9 +97,9 @@ class StreamProposer:
             self.waiting = None
         if resp is None or len(resp.proposals) != len(seqs):
             if self.alive:
-                log.warning("the draft did not answer step %d in %.1f s; decoding without it for %.0f s", self.step,
-                            self.timeout_s, self.retry_after_s)
-                self.down_until = time.monotonic() + self.retry_after_s
+                log.warning("the draft did not answer step %d in %.1f s; decoding without it until it does",
+                            self.step, self.timeout_s)
+                self.unanswered = self.step
             self.sent.clear()                     # re-send whole sequences when it answers again
             self.hidden.clear()
             return none
@@ -138,6 +139,10 @@ class StreamProposer:
 
     def answer(self, step: int, resp: target_pb2.ProposeResponse) -> None:
         """The draft's proposals for `step` (on the event loop)."""
+        if step == self.unanswered:               # late: the draft is back; the next step drafts again
+            log.info("the draft answered step %d late; drafting again", step)
+            self.unanswered = None
+            return
         waiting = self.waiting
         if waiting is not None and waiting[0] == step and not waiting[1].done():
             waiting[1].set_result(resp)

@@ -62,12 +62,18 @@ def test_verdicts_go_as_deltas_with_hidden_states_and_proposals_come_back():
 def test_a_silent_draft_costs_one_timeout_then_steps_go_on_without_it():
     async def main():
         outbox: asyncio.Queue = asyncio.Queue()
-        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=0.2, retry_after_s=60)
+        p = StreamProposer(asyncio.get_running_loop(), outbox, timeout_s=0.2)
         seq = _seq([1, 2, 3])
         msg, out = await _exchange(p, outbox, [seq], [2], lambda m: None)       # never answered
-        assert out == [NO_PROPOSAL] and p.sent == {}
-        out = await asyncio.get_running_loop().run_in_executor(None, p.propose, [seq], [2])
-        assert out == [NO_PROPOSAL] and outbox.empty()                            # no message while it is down
+        assert out == [NO_PROPOSAL] and p.sent == {} and p.unanswered == msg.step
+        for _ in range(3):                                                       # no step waits for it again
+            out = await asyncio.get_running_loop().run_in_executor(None, p.propose, [seq], [2])
+            assert out == [NO_PROPOSAL] and outbox.empty()
+        p.answer(msg.step, _proposals([7]))                                      # its late answer: it is back
+        assert p.unanswered is None
+        msg2, out = await _exchange(p, outbox, [seq], [2], lambda m: _proposals([4]))
+        assert msg2.step > msg.step and list(msg2.propose.seqs[0].tokens) == [1, 2, 3]   # whole sequence again
+        assert out[0].tokens == [4]
         p.release(seq.seq_id)                                                    # it may hold a mirror: release
         assert (await asyncio.wait_for(outbox.get(), 5)).propose.released == [str(seq.seq_id)]
     asyncio.run(main())
