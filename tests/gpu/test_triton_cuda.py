@@ -120,17 +120,22 @@ def test_nvfp4_gemm(m: int, n: int, k: int, dtype: torch.dtype, tiles: tuple[int
     torch.testing.assert_close(y.float().cpu(), ref, rtol=2 * ULP[dtype] + 1e-6, atol=atol)
 
 
+def every_scale_weight(k: int, global_scale: float, g: torch.Generator) -> tuple[NVFP4Weight, NVFP4Weight]:
+    """A [127, k] weight whose row r uses e4m3 scale bit pattern r (zero and subnormals included) with random
+    codes, on the CPU and on CUDA."""
+    one_scale = torch.arange(0, 0x7F, dtype=torch.uint8)[:, None].expand(-1, k // 16).contiguous()  # [127, B]
+    packed = torch.randint(0, 256, (127, k // 2), dtype=torch.uint8, generator=g)
+    w = NVFP4Weight(packed, one_scale.view(torch.float8_e4m3fn), torch.tensor([global_scale]))
+    return w, NVFP4Weight(w.packed.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA))
+
+
 def test_nvfp4_bit_exact_on_exact_operands() -> None:
     """Every e4m3 scale bit pattern and every E2M1 code with integer activations: sums exact in fp32, so the GPU
     and the reference agree bit for bit whatever the accumulation order (fp32 in IEEE mode, bf16 on tensor
     cores: products of bf16 values are exact in fp32)."""
     g = torch.Generator().manual_seed(0)
-    k = 128
-    one_scale = torch.arange(0, 0x7F, dtype=torch.uint8)[:, None].expand(-1, k // 16).contiguous()  # [127, B]
-    packed = torch.randint(0, 256, (127, k // 2), dtype=torch.uint8, generator=g)
-    w = NVFP4Weight(packed, one_scale.view(torch.float8_e4m3fn), torch.tensor([0.25]))
-    wc = NVFP4Weight(w.packed.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA))
-    x = torch.randint(-3, 4, (7, k), generator=g).float()
+    w, wc = every_scale_weight(128, 0.25, g)
+    x = torch.randint(-3, 4, (7, 128), generator=g).float()
     assert torch.equal(nvfp4_matmul(x.to(CUDA), wc, block_k=64).cpu(), x @ w.dequantise().T)
     assert torch.equal(nvfp4_matmul(x.bfloat16().to(CUDA), wc).cpu(), nvfp4_linear(x.bfloat16(), w))
 
@@ -200,10 +205,7 @@ def test_nvfp4_gemv_exact_operands() -> None:
     from shared.quant.nvfp4_triton import nvfp4_gemv
     g = torch.Generator().manual_seed(3)
     k = 4096
-    one_scale = torch.arange(0, 0x7F, dtype=torch.uint8)[:, None].expand(-1, k // 16).contiguous()  # [127, B]
-    packed = torch.randint(0, 256, (127, k // 2), dtype=torch.uint8, generator=g)
-    w = NVFP4Weight(packed, one_scale.view(torch.float8_e4m3fn), torch.tensor([0.5]))
-    wc = NVFP4Weight(w.packed.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA))
+    w, wc = every_scale_weight(k, 0.5, g)
     for m in (1, 5, 16):
         x = torch.randint(-3, 4, (m, k), generator=g).float()
         for split_k in (1, 4):

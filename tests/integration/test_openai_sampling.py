@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 import torch
 
+from shared.testing.reference_sampling import processed_greedy
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -27,29 +28,9 @@ def logits_after(hf_model, ids: list[int]) -> torch.Tensor:
     return logits.double().clone()                      # outside inference mode: a tensor the loop may change
 
 
-def reference(hf_model, prompt: list[int], steps: int, bias: dict[int, float] = {}, presence: float = 0.0,
-              frequency: float = 0.0, repetition: float = 1.0, min_tokens: int = 0, stops: set[int] = set()
-              ) -> list[int]:
-    """Greedy, one full forward a token; vLLM's order: logit_bias and min_tokens, then the penalties."""
-    ids, out = list(prompt), []
-    while len(out) < steps:
-        logits = logits_after(hf_model, ids)
-        for t, b in bias.items():
-            logits[t] += b
-        if len(out) < min_tokens:
-            for t in stops:
-                logits[t] = float("-inf")
-        if repetition != 1.0:
-            for t in set(ids):
-                logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
-        for t in set(out):
-            logits[t] -= presence + frequency * out.count(t)
-        tok = int(logits.argmax())
-        out.append(tok)
-        ids.append(tok)
-        if tok in stops:
-            break
-    return out
+def reference(hf_model, prompt: list[int], steps: int, **kw) -> list[int]:
+    """Greedy, one full forward a token (shared.testing.reference_sampling)."""
+    return processed_greedy(lambda ids: logits_after(hf_model, ids), prompt, steps, **kw)
 
 
 def chat(oai, **kw):

@@ -8,6 +8,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.sampling_params import SamplingParams
 from shared.spec.factory import build_engine
+from shared.testing.reference_sampling import processed_greedy
 from shared.testing.tiny_llama import PROMPTS
 
 EOS = 95                                                    # the tiny model's
@@ -39,28 +40,10 @@ def next_logits(hf, ids: list[int]) -> torch.Tensor:
 
 
 def reference(hf, prompt: list[int], p: SamplingParams) -> list[int]:
-    """vLLM's order: logit_bias and min_tokens, then repetition (prompt and output tokens), frequency and
-    presence (output tokens) penalties; greedy; EOS and stop_token_ids end the output."""
-    ids, out = list(prompt), []
+    """The params' processing over transformers' logits, greedy; EOS and stop_token_ids end the output."""
     stops = ({EOS} if not p.ignore_eos else set()) | set(p.stop_token_ids)
-    while len(out) < p.max_tokens:
-        logits = next_logits(hf, ids)
-        for t, b in p.logit_bias.items():
-            logits[t] += b
-        if len(out) < p.min_tokens:
-            for t in stops:
-                logits[t] = float("-inf")
-        for t in set(ids):
-            if p.repetition_penalty != 1:
-                logits[t] = logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
-        for t in set(out):
-            logits[t] -= p.presence_penalty + p.frequency_penalty * out.count(t)
-        tok = int(logits.argmax())
-        out.append(tok)
-        ids.append(tok)
-        if tok in stops:
-            break
-    return out
+    return processed_greedy(lambda ids: next_logits(hf, ids), prompt, p.max_tokens, p.logit_bias, p.presence_penalty,
+                            p.frequency_penalty, p.repetition_penalty, p.min_tokens, stops)
 
 
 CASES = {
