@@ -11,7 +11,7 @@ import grpc
 
 from services.router.generation_io import Logprob
 from shared.errors import PeerUnavailable
-from shared.rpc.channel import ClientTLS, aio_channel
+from shared.rpc.channel import ClientTLS, aio_channel, keepalive_options
 from shared.sampling_params import SamplingParams
 from upesi.v1 import target_pb2, target_pb2_grpc
 
@@ -40,7 +40,9 @@ class StepOutput:
 class TargetClient:
     def __init__(self, address: str, tls: ClientTLS | None = None, retry_after_s: float = 5.0) -> None:
         self.address, self.retry_after_s = address, retry_after_s
-        self.channel = aio_channel(address, tls)        # tls None: the router's own settings (set_client_tls)
+        # tls None: the router's own settings (set_client_tls); keepalive: a frozen target's calls fail (UNAVAILABLE,
+        # then another replica) within 10 s instead of hanging to their deadline
+        self.channel = aio_channel(address, tls, options=keepalive_options(5_000, 4_000, idle=False))
         self.stub = target_pb2_grpc.TargetStub(self.channel)
         self.down_until = 0.0                 # after UNAVAILABLE, new requests go elsewhere for retry_after_s
 

@@ -41,12 +41,13 @@ def _channel_options(options: Options) -> list[tuple[str, int | str]]:
     return [o for o in message_options() + reconnect_options() if o[0] not in given] + list(options)
 
 
-def keepalive_options() -> list[tuple[str, int]]:
+def keepalive_options(time_ms: int = 20_000, timeout_ms: int = 10_000, idle: bool = True) -> list[tuple[str, int]]:
     """For channels that carry long-lived streams (draft -> target Verify, router -> draft): a peer that vanishes
-    without closing its connection is noticed within ~30 s instead of never. Servers permit these pings
-    (server_options)."""
-    return [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+    without closing its connection is noticed within time_ms + timeout_ms (~30 s) instead of never; the router's
+    channels to targets use 5 + 4 s while calls are open (idle=False: no pings on an idle connection, which a
+    server takes for abuse at that rate), so a frozen target's calls fail over within 10 s."""
+    return [("grpc.keepalive_time_ms", time_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.keepalive_permit_without_calls", int(idle)), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def _read(path: str | None, what: str) -> bytes | None:

@@ -29,12 +29,12 @@ class Service:
 
 def server_options(max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
     """Message sizes (a public port receives at most `max_receive_bytes`: larger messages are refused with
-    RESOURCE_EXHAUSTED before they are parsed), and clients' keepalive pings every 10 s or more are welcome
+    RESOURCE_EXHAUSTED before they are parsed), and clients' keepalive pings every 4 s or more are welcome
     (channel.keepalive_options)."""
     sizes = [(k, max_receive_bytes if max_receive_bytes and k.endswith("receive_message_length") else v)
              for k, v in message_options()]
     return sizes + [("grpc.keepalive_permit_without_calls", 1),
-                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
+                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000)]
 
 
 def _loopback(address: str) -> bool:
