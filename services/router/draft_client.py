@@ -46,7 +46,7 @@ async def _unstalled(steps: AsyncIterator[StepOutput], first_s: float, next_s: f
 
 
 class DraftClient:
-    def __init__(self, address: str, retry_after_s: float = 5.0, stall_s: float = 3.0,
+    def __init__(self, address: str, retry_after_s: float = 5.0, stall_s: float = 15.0,
                  first_stall_s: float = 60.0) -> None:
         self.address, self.retry_after_s = address, retry_after_s
         self.stall_s, self.first_stall_s = stall_s, first_stall_s
