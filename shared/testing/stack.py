@@ -81,7 +81,9 @@ class Stack:
         self.log = tmp / "serve.log"
         cmd = [sys.executable, "-m", "services.cli", "serve", "--address", self.address,
                "--http-port", str(self.http_port), "--target-address", target_address or f"127.0.0.1:{free_port()}",
-               "--target-metrics-port", str(self.metrics_port), "--kv-cache-gb", "0.5", *(extra or [])]
+               "--target-metrics-port", str(self.metrics_port), "--kv-cache-gb", "0.5",
+               # a draft service on ports of its own: two stacks alive at once never share one
+               "--draft-address", f"127.0.0.1:{free_port()}", "--draft-metrics-port", "0", *(extra or [])]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      env={"UPESI_INTERNAL_TOKEN": INTERNAL_TOKEN, **os.environ})
 
