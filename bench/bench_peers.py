@@ -14,9 +14,10 @@ Single stream, from the target's and the draft's /metrics around each request: t
 step's wall time goes (the target's step, the draft's proposal, and the rest: Verify round trip and delivery).
 
 4-bit weights: the default model is a Q4_1 GGUF whose layers the stack serves as they are stored (packed codes,
-shared/ops/qgemm.c). `--weights` adds stacks beside it, plain requests alternating with the default stack's:
-`bf16` (the same flags plus --dequantise-gguf: the file dequantised to bf16 at load) and `nvfp4:DIR` (an NVFP4
-checkpoint made by `upesi quantize`, served plainly). The target's resident memory is reported for each stack.
+shared/ops/qgemm.c, qgemm_avx2.c). `--weights` adds stacks beside it, their requests alternating with the default
+stack's: `dequantised` (or `bf16`; the same flags plus --dequantise-gguf: the file dequantised at load to the
+stack's dtype; plain and default requests) and `nvfp4:DIR` (an NVFP4 checkpoint made by `upesi quantize`, served
+plainly). The target's resident memory is reported for each stack.
 With `--llamacpp-python PATH` (the interpreter of a llama-cpp-python install) llama.cpp decodes the same prompt
 tokens from `--llamacpp-model` (default: the default model's Q4_1 file) one at a time (bench/peer_llamacpp.py).
 
@@ -27,7 +28,8 @@ plain and n-gram speculation K = 4) in the same dtype as the stack; transformers
 
     .venv/bin/python bench/bench_peers.py [--vllm-python ~/vllm/bin/python --vllm-model ~/smollm2-hf]
         [--serve-args "..."] [--loads 1 4 32] [--tokens 128] [--dtype auto] [--skip-hf]
-        [--weights bf16 nvfp4:/tmp/smollm2-nvfp4] [--llamacpp-python ~/.cache/upesi-llamacpp-peer/venv/bin/python]
+        [--weights dequantised nvfp4:/tmp/smollm2-nvfp4]
+        [--llamacpp-python ~/.cache/upesi-llamacpp-peer/venv/bin/python]
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -381,8 +383,9 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="chat",
                     help="chat: four short questions; grounded: four edits of a given ~300-token text, whose "
                          "answers copy the prompt (bench/workloads.py)")
-    ap.add_argument("--weights", nargs="*", default=[], help="stacks beside the default one, plain requests: bf16 "
-                    "(the GGUF dequantised at load) and/or nvfp4:DIR (an NVFP4 checkpoint)")
+    ap.add_argument("--weights", nargs="*", default=[], help="stacks beside the default one: dequantised (or "
+                    "bf16: the GGUF dequantised to the stack's dtype at load; plain and default requests) and/or "
+                    "nvfp4:DIR (an NVFP4 checkpoint, plain requests)")
     ap.add_argument("--llamacpp-python", default=None, help="python of a llama-cpp-python install (measures "
                                                             "llama.cpp beside, single stream)")
     ap.add_argument("--llamacpp-model", default=None, help="GGUF file for llama.cpp (default: the default model)")
@@ -398,14 +401,16 @@ def main() -> None:
     try:
         sides = {"upesi plain": (stacks[0], 0)} | ({} if a.skip_spec else {"upesi default": (stacks[0], None)})
         for w in a.weights:
-            if w == "bf16":
+            if w in ("dequantised", "bf16"):
                 stacks.append(ServeStack([*serve, "--dtype", a.dtype, "--dequantise-gguf"]))
-                sides["upesi bf16 weights plain"] = (stacks[-1], 0)
+                sides[f"upesi {dtype} weights plain"] = (stacks[-1], 0)
+                if not a.skip_spec:
+                    sides[f"upesi {dtype} weights default"] = (stacks[-1], None)
             elif w.startswith("nvfp4:"):
                 stacks.append(ServeStack(["--model", w.split(":", 1)[1], "--dtype", a.dtype]))
                 sides["upesi nvfp4 plain"] = (stacks[-1], 0)
             else:
-                ap.error(f"--weights takes bf16 and nvfp4:DIR, not {w!r}")
+                ap.error(f"--weights takes dequantised and nvfp4:DIR, not {w!r}")
         results.update(measure_stack(sides, a.loads, a.tokens, a.reps))
     finally:
         for stack in stacks:

@@ -7,13 +7,13 @@ import os
 from dataclasses import dataclass
 
 from services.serve_config import ServeConfig
-from shared.config import SECRET_OPTIONS
+from shared.config import SECRET_OPTIONS, env_name
 
 
 def hide_secrets(args: list[str]) -> tuple[list[str], dict[str, str]]:
     """A child's arguments without its secret options (shared.config.SECRET_OPTIONS), and the environment that
     gives them to it instead: `ps` and /proc/PID/cmdline show no key or password."""
-    flags = {"--" + name.replace("_", "-"): env for name, env in SECRET_OPTIONS.items()}
+    flags = {"--" + name.replace("_", "-"): env_name(name) for name in SECRET_OPTIONS}
     shown, secret, i = [], {}, 0
     while i < len(args):
         if args[i] in flags and i + 1 < len(args):

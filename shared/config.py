@@ -19,8 +19,12 @@ T = TypeVar("T")
 
 # options whose values are secrets (keys, or URLs that may carry a password): --help says whether one is set, never
 # what it is, and `upesi serve` hands them to its services in the environment, never on a command line
-SECRET_OPTIONS = {"api_key": "UPESI_API_KEY", "cache_secret": "UPESI_CACHE_SECRET", "kv_store": "UPESI_KV_STORE",
-                  "registry": "UPESI_REGISTRY"}
+SECRET_OPTIONS = frozenset({"api_key", "cache_secret", "kv_store", "registry"})
+
+
+def env_name(option: str) -> str:
+    """The environment variable that sets a config field: UPESI_<NAME>."""
+    return f"UPESI_{option.upper()}"
 
 
 def redact_url(url: str) -> str:
@@ -60,7 +64,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = _base_type(hints[f.name])
-        env = f"UPESI_{f.name.upper()}"
+        env = env_name(f.name)
         default = os.environ.get(env, f.default)
         text = f.metadata.get("help", "").replace("%", "%%")                 # argparse formats help with %
         # a secret's help says whether it is set; "%(default).0s" prints nothing but stops a defaults-showing

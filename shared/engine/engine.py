@@ -20,7 +20,7 @@ from shared.engine.beam_steps import BeamStepsMixin
 from shared.engine.config import WIDE_ROWS, EngineConfig
 from shared.engine.delta import Delta, TokenLogprob
 from shared.engine.kv_transfer import KVTransferMixin
-from shared.engine.logits_processing import process_batch, token_logprobs
+from shared.engine.logits_processing import process_batch, rows_logprobs, token_logprobs
 from shared.engine.long_rope import LongRopeMixin
 from shared.engine.model_runner import ModelRunner, kv_cache_layout
 from shared.engine.offline import OfflineMixin
@@ -198,15 +198,15 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         # one row per sequence, in order: no copy of the logits
         raw = logits if rows == list(range(logits.shape[0])) else logits[rows]
         tokens = sample(process_batch(raw, sampled, self.eos_token_ids), sampled) if sampled else []
-        for i, (seq, tok) in enumerate(zip(sampled, tokens)):
+        lps = rows_logprobs(raw, tokens, [seq.params.logprobs for seq in sampled]) if sampled else []
+        for seq, tok, lp in zip(sampled, tokens, lps):
             seq.token_ids.append(tok)
             if seq.guide is not None:
                 seq.guide.accept(tok)
             reason = self._finish_reason(seq, tok)
             if reason:
                 self.scheduler.finish(seq, reason)
-            lps = None if seq.params.logprobs is None else token_logprobs(raw[i:i + 1], [tok], seq.params.logprobs)
-            deltas.append(self._delta(seq, [tok], lps))
+            deltas.append(self._delta(seq, [tok], None if lp is None else [lp]))
         if hidden_from is not None:
             self._hand_hidden(batch, hidden_from)
         self.tree_paths.clear()

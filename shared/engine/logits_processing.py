@@ -61,8 +61,20 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int) -> list[To
     picked = lp[rows, torch.tensor(chosen, dtype=torch.long, device=lp.device)].tolist()
     if not top:
         return [TokenLogprob(p, [], []) for p in picked]
-    vals, idx = lp[: len(chosen)].topk(top, dim=-1)                             # [R, top]
+    vals, idx = lp.topk(top, dim=-1)                                            # [R, top]
     return [TokenLogprob(p, i, x) for p, i, x in zip(picked, idx.tolist(), vals.tolist())]
+
+
+def rows_logprobs(logits: torch.Tensor, chosen: list[int], tops: list[int | None]) -> list[TokenLogprob | None]:
+    """Raw logits [N, V], the token taken at each row and each row's top N (None: no log-probabilities) -> a
+    TokenLogprob for each row that asks, None for the others: one log-softmax over the rows that ask."""
+    want = [i for i, t in enumerate(tops) if t is not None]
+    out: list[TokenLogprob | None] = [None] * len(tops)
+    if want:
+        got = token_logprobs(logits[want], [chosen[i] for i in want], max(tops[i] for i in want))
+        for i, lp in zip(want, got):
+            out[i] = TokenLogprob(lp.logprob, lp.top_ids[:tops[i]], lp.top_logprobs[:tops[i]])
+    return out
 
 
 def stop_ids(params: SamplingParams, eos: set[int]) -> set[int]:

@@ -4,15 +4,17 @@ A 4-bit model exists for speed: decode reads every weight once a step, so a step
 The formats Upesi serves (NVFP4; GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) all reduce to one form
 (shared.ops.block_quant.BlockQuant). A QWeight lays it out once at load in the order the kernel streams
 (shared.ops.qgemm_layout); the kernel expands the codes in registers and multiplies them with vdpbf16ps, or on AMX
-tiles where the CPU has them (qgemm_amx.c), scaling each block's sum in fp32 (qgemm.c has the arithmetic).
+tiles where the CPU has them (qgemm_amx.c), scaling each block's sum in fp32 (qgemm.c has the arithmetic). CPUs
+without AVX512-BF16 but with AVX2 run fp32 rows through qgemm_avx2.c, which reads the same layout.
 
 Exactness: with bf16 rows every product value * x is exact in fp32, so a row's result is the dequantised weight's
 result up to the order of accumulation. fp32 rows are split into three bf16 parts (hi + mid + lo == x exactly),
-run as three rows and added in fp32: the fp32 product up to accumulation order, at three rows' cost. The torch
-reference is `BlockQuant.dequantise` (the weight the file describes) with F.linear (tests/unit/test_qgemm.py).
+run as three rows and added in fp32: the fp32 product up to accumulation order, at three rows' cost. The AVX2
+kernel multiplies fp32 rows directly (fp32 products, fp32 sums). The torch reference is `BlockQuant.dequantise`
+(the weight the file describes) with F.linear (tests/unit/test_qgemm.py).
 
-Built with shared.ops.c_build at first use; where it cannot run (no avx512_bf16, no compiler, UPESI_QGEMM=0, a
-self-check that disagrees) `available()` is False and callers keep a dequantised copy instead.
+Built with shared.ops.c_build at first use; where none can run (neither AVX512-BF16 nor AVX2 + FMA + F16C, no
+compiler, UPESI_QGEMM=0, a self-check that disagrees) `available()` is False and callers keep a dequantised copy.
 Shapes: M = rows, K = in features, N = out features, B = K / block, U = units of 32 columns.
 """
 from __future__ import annotations
@@ -40,6 +42,9 @@ __all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", 
 
 SOURCE = Path(__file__).with_suffix(".c")
 AMX_SOURCE = SOURCE.with_name("qgemm_amx.c")              # compiled with the bf16 rows kernels' flags
+AVX2_SOURCE = SOURCE.with_name("qgemm_avx2.c")
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+WIDE_ROWS_F32 = 256       # AVX2 calls of this many rows or more: the weight dequantised to fp32 for the call
 
 
 @functools.cache
@@ -74,6 +79,21 @@ def _amx_lib() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def _avx2_lib() -> ctypes.CDLL | None:
+    """qgemm_avx2.c, for CPUs without AVX512-BF16 (fp32 rows)."""
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        return None
+    lib = c_build.load_or_none(AVX2_SOURCE, AVX2_FLAGS, "UPESI_QGEMM", "AVX2 quantised rows kernel")
+    if lib is None:
+        return None
+    lib.upesi_qgemm_avx2.argtypes, lib.upesi_qgemm_avx2.restype = GEMM_ARGS, None
+    lib.upesi_qgemm_avx2_dequant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.c_int]
+    lib.upesi_qgemm_avx2_dequant.restype = None
+    return lib
+
+
 class QWeight:
     """A BlockQuant laid out for qgemm.c: `data` [U, B, record] uint8 and the kernel's descriptor `desc`. Not a
     tensor subclass, so `.to()` and state_dict never see it."""
@@ -92,6 +112,7 @@ class QWeight:
         self.desc = torch.tensor([self.data.data_ptr(), self.table.data_ptr(), kf.high, kf.kind, bq.block // 2,
                                   int(sf16), int(mf16), int(kf.mins is not None), k // bq.block,
                                   self.data.shape[-1], shift_bits], dtype=torch.int64)
+        self.desc_ptr = self.desc.data_ptr()
 
     @property
     def nbytes(self) -> int:
@@ -133,12 +154,43 @@ def dequantise_bf16(w: QWeight) -> torch.Tensor:
     return wt
 
 
+def call_avx2(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 (features contiguous) -> [M, N] fp32 through qgemm_avx2.c, whatever the row count."""
+    m = x.shape[0]
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    if m:
+        _avx2_lib().upesi_qgemm_avx2(x.data_ptr(), m, x.stride(0), w.in_features, w.desc.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), w.out_features, y.data_ptr(),
+                                     w.out_features, torch.get_num_threads())
+    return y
+
+
+def dequantise_f32(w: QWeight) -> torch.Tensor:
+    """W [N, K] fp32 dequantised in C (qgemm_avx2.c), bit for bit `w.dequantise()`."""
+    out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
+    _avx2_lib().upesi_qgemm_avx2_dequant(w.desc.data_ptr(), w.out_features, out.data_ptr(), w.in_features,
+                                         torch.get_num_threads())
+    return out
+
+
+def _run_avx2(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Rows of any float dtype through the fp32 AVX2 kernel; WIDE_ROWS_F32 rows or more (a prefill's chunk) through
+    the weight dequantised for the call and torch's fp32 matmul, which is faster there."""
+    rows = x.float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    y = F.linear(rows, dequantise_f32(w), b) if rows.shape[0] >= WIDE_ROWS_F32 else call_avx2(rows, w, b)
+    return y.to(x.dtype)
+
+
 def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 or fp32 on CPU -> x @ W^T (+ bias) [M, N] in x's dtype. bf16 calls of WIDE_ROWS rows or more
     (a prefill's chunk) dequantise the weight to bf16 for the call and multiply with torch's bf16 matmul: about 3x
-    faster at 512 rows; their results then round each weight to bf16 once, as a bf16 copy of the weight would."""
+    faster at 512 rows; their results then round each weight to bf16 once, as a bf16 copy of the weight would.
+    Without the AVX512-BF16 kernels every call takes the AVX2 fp32 path."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if _kernels() is None:
+        return _run_avx2(x, w, bias)
     if x.dtype == torch.bfloat16 and x.shape[0] >= WIDE_ROWS:
         y = x @ dequantise_bf16(w)
         return y if bias is None else y + bias.to(torch.bfloat16)
@@ -154,6 +206,8 @@ def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.
 def linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N]: the kernel for CPU rows (bf16; fp32; fp16 through the fp32 path),
     else F.linear on a dequantised copy (autograd, other devices)."""
+    if x.dtype == torch.float32 and x.is_cpu and _avx2_ok() and not (x.requires_grad and torch.is_grad_enabled()):
+        return _linear_f32_avx2(x, w, bias)
     if (x.device.type != "cpu" or not x.dtype.is_floating_point or not available()
             or (torch.is_grad_enabled() and x.requires_grad)):
         return F.linear(x, w.dequantise().to(device=x.device, dtype=x.dtype), bias)
@@ -162,6 +216,24 @@ def linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> tor
     if x.dtype not in (torch.bfloat16, torch.float32):
         return run(rows.float(), w, None if bias is None else bias.float()).to(x.dtype).view(*lead, w.out_features)
     return run(rows, w, bias).view(*lead, w.out_features)
+
+
+def _linear_f32_avx2(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear() for fp32 rows on the AVX2 kernel, with as little around the C call as a decode step's hundred-odd
+    calls want: x [..., K] -> [..., N] fp32."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    m = x.numel() // w.in_features
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    if m >= WIDE_ROWS_F32:
+        return F.linear(x, dequantise_f32(w), bias)
+    y = torch.empty(*x.shape[:-1], w.out_features)
+    if m:
+        _avx2_lib().upesi_qgemm_avx2(x.data_ptr(), m, w.in_features, w.in_features, w.desc_ptr,
+                                     None if bias is None else bias.data_ptr(), w.out_features, y.data_ptr(),
+                                     w.out_features, torch.get_num_threads())
+    return y
 
 
 def _agrees(fns: tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]) -> bool:
@@ -201,11 +273,48 @@ def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     return None
 
 
+def _avx2_agrees() -> bool:
+    """Whether qgemm_avx2.c agrees with the reference on every expansion path (partial units and row tiles), gives
+    a row alone the bits it has among others, and dequantises bit for bit as the layout's unpack."""
+    g = torch.Generator().manual_seed(0)
+    for kind, block, has_min in (("u4", 32, True), ("e2m1", 16, False), ("u6", 16, True), ("i8", 32, False)):
+        n, k, m = 40, 96, 7
+        bq = example(kind, n, k, block, g, has_min)
+        w = QWeight(bq)
+        x = torch.randn(m, k, generator=g)
+        got = call_avx2(x, w)
+        if not (torch.allclose(got, x @ bq.dequantise().t(), rtol=1e-4, atol=1e-4)
+                and torch.equal(call_avx2(x[m - 1:], w), got[m - 1:])
+                and torch.equal(dequantise_f32(w), w.dequantise())):
+            return False
+    return True
+
+
+@functools.cache
+def _avx2_ok() -> bool:
+    """The AVX2 kernel serves this machine: no AVX512-BF16 kernel, and it builds, loads and agrees."""
+    if _kernels() is not None or _avx2_lib() is None:
+        return False
+    if _avx2_agrees():
+        return True
+    log.warning("AVX2 quantised rows kernel disagrees with its reference on this machine; dequantising instead")
+    return False
+
+
 def available() -> bool:
     """True where a quantised kernel builds, loads and agrees with the reference on this machine."""
-    return _kernels() is not None
+    return _kernels() is not None or _avx2_ok()
+
+
+def kernel_name() -> str | None:
+    """Which kernel multiplies packed weights here: "amx", "avx512-bf16", "avx2" or None."""
+    fns = _kernels()
+    if fns is not None:
+        return "amx" if _amx_lib() is not None and fns[0] == _amx_lib().upesi_qgemm_amx else "avx512-bf16"
+    return "avx2" if _avx2_ok() else None
 
 
 def kernel_address() -> int:
-    """The address of this machine's bf16 quantised GEMM, for C callers (decoder_bf16.c); requires available()."""
+    """The address of this machine's bf16 quantised GEMM, for C callers (decoder_bf16.c); requires the AVX512-BF16
+    kernels (decoder_bf16 runs only where they do)."""
     return ctypes.cast(_kernels()[0], ctypes.c_void_p).value

@@ -1,6 +1,6 @@
-"""Block-quantised weights kept packed (shared/ops/qgemm.c, qgemm_amx.c) against their torch reference: the
-dequantised weight (BlockQuant.dequantise) times x in fp64, on every expansion path, odd shapes, 1-64 rows, zero
-and subnormal blocks; the packed layout round trip; rows independent of the rows beside them."""
+"""Block-quantised weights kept packed (shared/ops/qgemm.c, qgemm_amx.c, qgemm_avx2.c) against their torch
+reference: the dequantised weight (BlockQuant.dequantise) times x in fp64, on every expansion path, odd shapes, 1-64
+rows, zero and subnormal blocks; the packed layout round trip; rows independent of the rows beside them."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,8 @@ from shared.ops import qgemm
 from shared.ops.block_quant import BlockQuant
 from shared.ops.qgemm import QWeight
 
-pytestmark = pytest.mark.skipif(not qgemm.available(), reason="needs AVX512-BF16 and a C compiler")
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason="needs AVX512-BF16 or AVX2, and a C compiler")
+needs_bf16 = pytest.mark.skipif(qgemm._kernels() is None, reason="needs the AVX512-BF16 kernels")
 
 # name -> (example kind, block, has mins, the kernel's expansion path)
 FORMATS = {"q4-affine": ("u4", 32, True, 5), "q4-affine-16": ("u4", 16, False, 5), "e2m1": ("e2m1", 16, False, 4),
@@ -18,8 +19,11 @@ FORMATS = {"q4-affine": ("u4", 32, True, 5), "q4-affine-16": ("u4", 16, False, 5
            "int8-16": ("i8", 16, True, 8)}
 
 
-def kernels() -> list[tuple[str, tuple]]:
-    """Every kernel this machine builds: AVX512-BF16's, and AMX's where the CPU has it."""
+def kernels() -> list[tuple[str, tuple | None]]:
+    """Every kernel this machine builds, with its bf16 entry points: AVX512-BF16's, and AMX's where the CPU has
+    it; else the AVX2 kernel (fp32 rows only: None)."""
+    if qgemm._kernels() is None:
+        return [("avx2", None)] if qgemm.available() else []
     out = [("avx512", (qgemm._lib().upesi_qgemm, qgemm._lib().upesi_qgemm_f32))]
     if qgemm._amx_lib() is not None:
         out.append(("amx", (qgemm._amx_lib().upesi_qgemm_amx, qgemm._amx_lib().upesi_qgemm_amx_f32)))
@@ -27,7 +31,10 @@ def kernels() -> list[tuple[str, tuple]]:
 
 
 def run_fp32(x: torch.Tensor, w: QWeight, fns) -> torch.Tensor:
-    """x [M, K] fp32 through one kernel, as qgemm.run does: three bf16 parts, summed in fp32."""
+    """x [M, K] fp32 through one kernel, as qgemm.run does: the AVX2 kernel directly; the AVX-512 ones as three bf16
+    parts, summed in fp32."""
+    if fns is None:
+        return qgemm.call_avx2(x, w)
     m = x.shape[0]
     y = qgemm._call(qgemm.split_bf16(x).view(3 * m, -1), w, None, torch.float32, fns).view(3, m, -1)
     return (y[0] + y[1]) + y[2]
@@ -51,6 +58,8 @@ def test_kernels_equal_the_dequantised_weight(fmt: str, n: int, k: int) -> None:
             tol = 4 * (fp32 - want).abs().max().item() + 1e-6 * want.abs().max().item()
             got = run_fp32(x, w, fns)
             assert (got.double() - want).abs().max().item() <= tol, (name, m)
+            if fns is None:
+                continue
             xb = x.bfloat16()
             got_b = qgemm._call(xb, w, None, torch.bfloat16, fns)
             exact_b = qgemm._call(xb, w, None, torch.float32, fns)
@@ -65,10 +74,13 @@ def test_a_row_is_computed_alike_whatever_rows_share_the_call(name: str, fns) ->
     for fmt in ("q4-affine", "e2m1", "int8"):
         kind, block, has_min, _ = FORMATS[fmt]
         w = QWeight(qgemm.example(kind, 72, 128, block, g, has_min))
-        x = torch.randn(40, 128, generator=g).bfloat16()
-        full = qgemm._call(x, w, None, torch.float32, fns)
+        x = torch.randn(40, 128, generator=g)
+        if fns is not None:
+            x = x.bfloat16()
+        call = qgemm.call_avx2 if fns is None else (lambda x, w: qgemm._call(x, w, None, torch.float32, fns))
+        full = call(x, w)
         for lo, hi in ((0, 1), (5, 6), (39, 40), (3, 20), (16, 33)):
-            assert torch.equal(qgemm._call(x[lo:hi], w, None, torch.float32, fns), full[lo:hi]), (fmt, lo, hi)
+            assert torch.equal(call(x[lo:hi], w), full[lo:hi]), (fmt, lo, hi)
 
 
 def test_zero_and_subnormal_blocks() -> None:
@@ -92,6 +104,7 @@ def test_zero_and_subnormal_blocks() -> None:
     assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
 
 
+@needs_bf16
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wide_bf16_calls_multiply_the_weight_dequantised_to_bf16(fmt: str) -> None:
     """A prefill's chunk (WIDE_ROWS rows or more, bf16): the weight dequantised in C to bf16 (each value the
@@ -111,6 +124,28 @@ def test_wide_bf16_calls_multiply_the_weight_dequantised_to_bf16(fmt: str) -> No
     torch.testing.assert_close(qgemm.run(x, w, bias), x @ got + bias.bfloat16(), rtol=0, atol=0)
     narrow = qgemm.run(x[:8], w, bias)                            # fewer rows: the codes, exactly
     torch.testing.assert_close(narrow.float(), x[:8].float() @ ref + bias.bfloat16().float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(qgemm.kernel_name() != "avx2", reason="the AVX2 kernel serves CPUs without AVX512-BF16")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wide_avx2_calls_multiply_the_weight_dequantised_to_fp32(fmt: str) -> None:
+    """A prefill's chunk (WIDE_ROWS_F32 rows or more) on AVX2: the weight dequantised in C, bit for bit the
+    reference's, then torch's fp32 matmul; bf16 rows take the same fp32 path."""
+    kind, block, has_min, _ = FORMATS[fmt]
+    g = torch.Generator().manual_seed(7)
+    n, k = 70, 96                                                  # a partial unit of columns
+    bq = qgemm.example(kind, n, k, block, g, has_min)
+    w = QWeight(bq)
+    ref = bq.dequantise()
+    assert torch.equal(qgemm.dequantise_f32(w), ref)
+    x = torch.randn(qgemm.WIDE_ROWS_F32, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    torch.testing.assert_close(qgemm.run(x, w, bias), torch.nn.functional.linear(x, ref, bias), rtol=0, atol=0)
+    narrow = qgemm.run(x[:5], w, bias).double()                    # fewer rows: the codes
+    want = x[:5].double() @ ref.double().t() + bias.double()
+    assert (narrow - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+    xb = x[:3].bfloat16()
+    assert torch.equal(qgemm.run(xb, w), qgemm.call_avx2(xb.float(), w).bfloat16())
 
 
 def test_split_bf16_is_exact() -> None:
