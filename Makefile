@@ -37,7 +37,7 @@ $(STUBS) &: $(PROTOS) | $(STAMP)
 # head trained for the default model (bench/bench_peers.py measures it against vLLM's CPU build). The FFNs stay in
 # the target: on one small host, splitting a 135M model's FFNs over expert shards costs more than it frees
 # (docs/performance.md); `make run SERVE_ARGS="--expert-shards 2 ..."` deploys them, as compose and deploy/ do.
-SERVE_ARGS ?= --draft eagle:models/eagle-smollm2-135m --num-speculative-tokens 12
+SERVE_ARGS ?= --draft eagle:models/eagle-smollm2-135m --num-speculative-tokens 12 --speculation-guard true
 
 run: install
 	$(VENV)/bin/upesi serve $(SERVE_ARGS)

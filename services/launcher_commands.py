@@ -74,6 +74,7 @@ def children(cfg: ServeConfig) -> list[Child]:
         experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
     spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
             "--adaptive-speculation", str(cfg.adaptive_speculation).lower(),
+            "--speculation-guard", str(cfg.speculation_guard).lower(),
             "--speculative-max-seqs", str(cfg.speculative_max_seqs), "--stream-interval", str(cfg.stream_interval)]
     confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
     if cfg.draft_tree_nodes is not None:

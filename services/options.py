@@ -35,6 +35,12 @@ def adaptive_speculation() -> Any:
                         "fewer after none, between 1 and K); false: always K")
 
 
+def speculation_guard() -> Any:
+    return option(False, "the targets time their speculative and plain decode steps (per token, per batch size) and "
+                         "speculate only while that is the cheaper, trying the other kind every 16 steps; requests "
+                         "that set their own num_speculative_tokens are left as they ask")
+
+
 def speculative_max_seqs(default: int) -> Any:
     return option(default, "the targets speculate only while at most this many sequences are running or waiting to "
                            "be admitted; with more, every sequence decodes plainly until the batch shrinks (on CPUs "

@@ -70,6 +70,7 @@ class ServeConfig:
                                      "a Verify stream to the chosen target")
     num_speculative_tokens: int = options.num_speculative_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
+    speculation_guard: bool = options.speculation_guard()
     speculative_max_requests: int = option(1, "with --draft: requests speculate only while at most this many are "
                                               "in flight at the router (more: plain decoding on the target; "
                                               "0 = always)")

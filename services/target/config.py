@@ -58,6 +58,7 @@ class TargetConfig(options.TLS):
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = options.num_speculative_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
+    speculation_guard: bool = options.speculation_guard()
     speculative_max_seqs: int = options.speculative_max_seqs(0)
     draft_confidence: float | None = options.draft_confidence()
     draft_tree_nodes: int | None = options.draft_tree_nodes()

@@ -44,6 +44,7 @@ class EngineConfig:
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
     adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
     speculative_max_seqs: int = 0         # speculate only while at most this many sequences run (0 = always)
+    speculation_guard: bool = False       # speculate only while it measures cheaper a token (engine.spec_guard)
     draft_confidence: float | None = None  # eagle: stop drafting below this path probability
     draft_tree_nodes: int | None = None   # eagle: tree nodes per step for greedy rows (0 = chains)
     draft_tree_ngram: int | None = None   # eagle: prompt-lookup tokens grafted onto each tree (0 = off)

@@ -28,6 +28,7 @@ from shared.engine.proposal import ProposerFactory
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
+from shared.engine.spec_guard import SpecGuard
 from shared.engine.structured import Guides
 from shared.engine.speculation import SpeculationMixin
 from shared.errors import InvalidRequest
@@ -95,6 +96,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         self.pending_forks: dict[int, list[Sequence]] = {}      # choice 0's seq_id -> choices 1..n-1
         self.beam_groups: dict[str, BeamGroup] = {}              # request id -> its beam search
         self.stats_draft = self.stats_accepted = 0               # speculative tokens proposed / accepted
+        self.spec_guard = SpecGuard()                            # speculative or plain steps, by measured cost
         self.trace_parents: dict[str, object] = {}               # request id -> trace context, set by the caller
         self.tree_paths: dict[int, list[int]] = {}               # seq_id -> this step's accepted tree nodes
         self._step_ns = 0                                        # tracing: when this step began
@@ -163,11 +165,12 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
     def step(self) -> list[Delta]:
         if self.long_rope_after is not None:
             self._switch_long_rope()
-        if self.proposer is not None and getattr(self.proposer, "active", True):
-            self._propose()
+        t_start = time.perf_counter()
+        guarded = self._propose_step()
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        speculated = any(seq.spec_tokens for seq in batch.seqs)
         t0 = time.perf_counter()
         bm = self.block_manager
         self._sync_blocks()
@@ -195,18 +198,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
                 rows.append(row)
         deltas += self._collect_beams(sampled, rows, logits)   # beam sequences leave `sampled` here
         self._fork_pending(sampled, rows)
-        # one row per sequence, in order: no copy of the logits
-        raw = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        tokens = sample(process_batch(raw, sampled, self.eos_token_ids), sampled) if sampled else []
-        lps = rows_logprobs(raw, tokens, [seq.params.logprobs for seq in sampled]) if sampled else []
-        for seq, tok, lp in zip(sampled, tokens, lps):
-            seq.token_ids.append(tok)
-            if seq.guide is not None:
-                seq.guide.accept(tok)
-            reason = self._finish_reason(seq, tok)
-            if reason:
-                self.scheduler.finish(seq, reason)
-            deltas.append(self._delta(seq, [tok], None if lp is None else [lp]))
+        deltas += self._sample_rows(sampled, rows, logits)
         if hidden_from is not None:
             self._hand_hidden(batch, hidden_from)
         self.tree_paths.clear()
@@ -217,9 +209,30 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
                 if seq.block_table:
                     bm.release_before(seq, seq.num_computed_tokens - self.window + 1)
         self.last_step_s = time.perf_counter() - t0
+        if guarded:
+            emitted = sum(len(d.token_ids) for d in deltas)
+            self.spec_guard.observe(guarded, speculated, time.perf_counter() - t_start, emitted)
         if self.kv_store is not None:
             self._store_commits()
             self.kv_store.cost.observe_prefill(sum(batch.num_tokens), self.last_step_s)
+        return deltas
+
+    def _sample_rows(self, sampled: list[Sequence], rows: list[int], logits: torch.Tensor) -> list[Delta]:
+        """One token for each sequence in `sampled` from its row of `logits` [N, V]: processed, sampled, appended."""
+        if not sampled:
+            return []
+        # one row per sequence, in order: no copy of the logits
+        raw = logits if rows == list(range(logits.shape[0])) else logits[rows]
+        tokens = sample(process_batch(raw, sampled, self.eos_token_ids), sampled)
+        deltas = []
+        for seq, tok, lp in zip(sampled, tokens, rows_logprobs(raw, tokens, [s.params.logprobs for s in sampled])):
+            seq.token_ids.append(tok)
+            if seq.guide is not None:
+                seq.guide.accept(tok)
+            reason = self._finish_reason(seq, tok)
+            if reason:
+                self.scheduler.finish(seq, reason)
+            deltas.append(self._delta(seq, [tok], None if lp is None else [lp]))
         return deltas
 
     def _fork_pending(self, sampled: list[Sequence], rows: list[int]) -> None:

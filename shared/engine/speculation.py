@@ -33,7 +33,26 @@ class SpeculationMixin:
             room = min(room, self.long_rope_after - len(seq))
         return max(0, min(seq.spec_k, k_max, room))
 
-    def _propose(self) -> None:
+    def _guarded_decodes(self) -> int:
+        """With the speculation guard on: the number of sequences, when every one decodes (no prefill, none
+        waiting), else 0 (the guard neither decides nor measures such a step)."""
+        sched = self.scheduler
+        if not self.cfg.speculation_guard or self.proposer is None or sched.waiting:
+            return 0
+        running = sched.running
+        return len(running) if running and all(s.num_uncomputed == 1 for s in running) else 0
+
+    def _propose_step(self) -> int:
+        """Drafts for this step where the proposer is active, the speculation guard permitting -> the number of
+        decoding sequences the guard measures this step (0: none)."""
+        guarded = self._guarded_decodes()
+        if self.proposer is not None and getattr(self.proposer, "active", True):
+            self._propose(plain_default=bool(guarded) and not self.spec_guard.speculate(guarded))
+        return guarded
+
+    def _propose(self, plain_default: bool = False) -> None:
+        """Drafts for the running sequences that speculate this step; `plain_default`: the speculation guard chose a
+        plain step, so requests that did not set their own K decode plainly."""
         limit = self.cfg.speculative_max_seqs
         if limit and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
             # a big batch: verifying drafts costs more than it saves (plain steps); sequences waiting join the next
@@ -41,6 +60,8 @@ class SpeculationMixin:
             return
         seqs, ks = [], []
         for seq in self.scheduler.running:
+            if plain_default and seq.params.num_speculative_tokens is None:
+                continue
             if seq.num_uncomputed == 1 and not seq.spec_tokens and seq.num_output_tokens > 0:
                 k = self._spec_k(seq)
                 if k:

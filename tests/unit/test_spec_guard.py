@@ -1,0 +1,94 @@
+"""The speculation guard (shared/engine/spec_guard.py): its choice from measured costs per token, per batch size,
+with a step of the other kind every PROBE_EVERY steps; and the engine following it: a plain step drafts nothing for
+requests that left K to the deployment, requests with their own K are drafted for, only all-decode steps are
+measured, and greedy output stays the plain greedy output."""
+from __future__ import annotations
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.spec_guard import PROBE_EVERY, WEIGHT, SpecGuard
+from shared.sampling_params import SamplingParams
+from shared.testing.scripted_proposer import PROMPT, Scripted
+from shared.testing.tiny_llama import save_tiny
+
+
+def choices(guard: SpecGuard, seqs: int, n: int) -> list[bool]:
+    return [guard.speculate(seqs) for _ in range(n)]
+
+
+def test_speculation_is_the_default_until_measured():
+    assert all(choices(SpecGuard(), 1, 3 * PROBE_EVERY))
+
+
+def test_plain_steps_are_probed_once_speculation_is_measured():
+    g = SpecGuard()
+    g.observe(1, True, 0.03, 2)
+    got = choices(g, 1, 2 * PROBE_EVERY)
+    assert got.count(False) == 2 and not got[PROBE_EVERY - 1] and not got[2 * PROBE_EVERY - 1]
+
+
+def test_the_cheaper_kind_per_token_wins_and_the_other_is_probed():
+    g = SpecGuard()
+    g.observe(1, True, 0.030, 1)             # 30 ms a token speculating
+    g.observe(1, False, 0.020, 1)            # 20 ms plainly
+    g.observe(4, True, 0.060, 8)             # 7.5 ms a token at 4 sequences
+    g.observe(4, False, 0.040, 4)            # 10 ms
+    one, four = choices(g, 1, PROBE_EVERY), choices(g, 4, PROBE_EVERY)
+    assert one.count(True) == 1 and one[-1]                 # plain, but for the probe
+    assert four.count(False) == 1 and not four[-1]          # speculative, but for the probe
+    assert all(choices(g, 2, 5))                            # another batch size: not measured yet
+
+
+def test_costs_are_exponential_averages_per_token():
+    g = SpecGuard()
+    g.observe(2, True, 0.04, 4)
+    g.observe(2, True, 0.12, 4)
+    g.observe(2, True, 0.5, 0)               # no token emitted: not counted
+    assert abs(g.cost[(2, True)] - (0.01 + WEIGHT * (0.03 - 0.01))) < 1e-12
+
+
+class Fixed:
+    """A guard that always answers `speculate` and records what the engine tells it."""
+
+    def __init__(self, speculate: bool) -> None:
+        self.answer, self.seen = speculate, []
+
+    def speculate(self, seqs: int) -> bool:
+        return self.answer
+
+    def observe(self, seqs: int, speculated: bool, seconds: float, tokens: int) -> None:
+        self.seen.append((seqs, speculated, tokens))
+
+
+def test_the_engine_follows_the_guard(tmp_path):
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
+                                 num_speculative_tokens=3, speculation_guard=True))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    greedy = eng.generate([PROMPT], params)[0][0]
+    eng.proposer = prop = Scripted(greedy, eng.model_cfg.vocab_size)
+    prop.right = True
+    eng.spec_guard = plain = Fixed(False)
+    assert eng.generate([PROMPT], params)[0][0] == greedy
+    assert prop.asked == []                                  # plain steps only
+    assert plain.seen and all(s == (1, False, 1) for s in plain.seen)   # each decode step: one sequence, one token
+    own = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=2)
+    assert eng.generate([PROMPT], own)[0][0] == greedy
+    assert prop.asked and set(prop.asked) <= {1, 2}          # its own K: drafted for anyway
+    eng.spec_guard = spec = Fixed(True)
+    prop.asked = []
+    assert eng.generate([PROMPT], params)[0][0] == greedy
+    assert prop.asked and any(s[1] and s[2] > 1 for s in spec.seen)   # verified drafts: several tokens a step
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_without_the_guard_nothing_is_measured(tmp_path):
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
+                                 num_speculative_tokens=3))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = eng.generate([PROMPT], params)[0][0]
+    eng.proposer = prop = Scripted(greedy, eng.model_cfg.vocab_size)
+    eng.spec_guard = seen = Fixed(False)
+    assert eng.generate([PROMPT], params)[0][0] == greedy
+    assert prop.asked and seen.seen == []
