@@ -2,17 +2,19 @@
 // qgemm.c's AVX512-BF16 kernels do not run (shared/ops/qgemm.py loads this). It reads the same packed layout
 // (qgemm_desc.h; qgemm.c describes the records).
 //
-// Per unit of 32 output columns and block, the codes are expanded once to fp32 numbers e' in buf, in the order the
-// packed bytes hold them: per feature pair kk and panel p, four groups of 4 columns, each column's two features side
-// by side (8 lanes: c0f0 c0f1 c1f0 c1f1 ...). e' is exact: a 4-bit code (kind 5), an E2M1 value (4), the bf16 number
-// e (7), an int8 (8). A row's two x values of the pair are broadcast as (x0, x1, x0, x1, ...), so one fused
-// multiply-add covers 8 weights; the two features' lanes are added at the block's end (hadd) and the block's sum is
-// scaled into the row's fp32 total:
+// Per unit of 32 output columns and block, each code becomes an exact fp32 number e' (a 4-bit code, kind 5; an
+// E2M1 value, 4; the bf16 number e, 7; an int8, 8), and the block's sum is scaled into the row's fp32 total:
 //     y[c] += scale[c, b] * (sum_{i in b} e'(code[c, i]) * x[i] - corr * sx[b])  +  min[c, b] * sx[b]
 // where sx[b] is the row's sum of x over the block and corr = shift - (16 for kind 5, else 0), so that e' - corr is
-// the code's value. This is the dequantised weight's product up to the order of fp32 sums (and corr's
-// cancellation). Every output is the same sequence of operations whatever other rows share the call, so a
-// verification row is computed exactly as a decode row.
+// the code's value: the dequantised weight's product up to the order of fp32 sums (and corr's cancellation).
+// Two forms of the sums:
+//   column form (kinds 5, 8, and 4 when its table doubled is int8, as E2M1's is): vectors of 8 columns of one
+//     feature, each column summing its block's features in order in one register (rows_block_cols);
+//   pair form (the others): vectors of 4 columns' two features side by side as the packed bytes hold them, a row's
+//     pair of x values broadcast as (x0, x1, x0, x1, ...), the two features' lanes added at the block's end
+//     (rows_block, over expand's buffer).
+// Every output is the same sequence of operations whatever other rows share the call, so a verification row is
+// computed exactly as a decode row.
 // Shapes: M = rows, K = in features, N = out features, NB = blocks, BKK = feature pairs per block.
 #include <immintrin.h>
 #include <math.h>
@@ -22,7 +24,7 @@
 
 #include "qgemm_desc.h"
 
-#define MR 3      // rows per register tile (one panel: 12 accumulators)
+#define MR 3      // rows per register tile (pair form, one panel: 12 accumulators)
 
 typedef struct {
     const uint8_t *data;
