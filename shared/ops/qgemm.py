@@ -155,13 +155,14 @@ def dequantise_bf16(w: QWeight) -> torch.Tensor:
 
 
 def call_avx2(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 (features contiguous) -> [M, N] fp32 through qgemm_avx2.c, whatever the row count."""
-    m = x.shape[0]
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    """x [..., K] fp32 with evenly spaced rows (2-D with features contiguous, or contiguous), bias [N] fp32 or None
+    -> [..., N] fp32 through qgemm_avx2.c, whatever the row count."""
+    m = x.numel() // w.in_features
+    y = torch.empty(*x.shape[:-1], w.out_features)
     if m:
-        _avx2_lib().upesi_qgemm_avx2(x.data_ptr(), m, x.stride(0), w.in_features, w.desc.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), w.out_features, y.data_ptr(),
-                                     w.out_features, torch.get_num_threads())
+        _avx2_lib().upesi_qgemm_avx2(x.data_ptr(), m, x.stride(-2) if x.dim() > 1 else w.in_features,
+                                     w.in_features, w.desc_ptr, None if bias is None else bias.data_ptr(),
+                                     w.out_features, y.data_ptr(), w.out_features, torch.get_num_threads())
     return y
 
 
@@ -173,15 +174,6 @@ def dequantise_f32(w: QWeight) -> torch.Tensor:
     return out
 
 
-def _run_avx2(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Rows of any float dtype through the fp32 AVX2 kernel; WIDE_ROWS_F32 rows or more (a prefill's chunk) through
-    the weight dequantised for the call and torch's fp32 matmul, which is faster there."""
-    rows = x.float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    y = F.linear(rows, dequantise_f32(w), b) if rows.shape[0] >= WIDE_ROWS_F32 else call_avx2(rows, w, b)
-    return y.to(x.dtype)
-
-
 def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 or fp32 on CPU -> x @ W^T (+ bias) [M, N] in x's dtype. bf16 calls of WIDE_ROWS rows or more
     (a prefill's chunk) dequantise the weight to bf16 for the call and multiply with torch's bf16 matmul: about 3x
@@ -190,7 +182,7 @@ def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.
     if x.stride(-1) != 1:
         x = x.contiguous()
     if _kernels() is None:
-        return _run_avx2(x, w, bias)
+        return _linear_f32_avx2(x.float(), w, bias).to(x.dtype)
     if x.dtype == torch.bfloat16 and x.shape[0] >= WIDE_ROWS:
         y = x @ dequantise_bf16(w)
         return y if bias is None else y + bias.to(torch.bfloat16)
@@ -219,21 +211,16 @@ def linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> tor
 
 
 def _linear_f32_avx2(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """linear() for fp32 rows on the AVX2 kernel, with as little around the C call as a decode step's hundred-odd
-    calls want: x [..., K] -> [..., N] fp32."""
+    """fp32 rows on the AVX2 kernel, with as little around the C call as a decode step's hundred-odd calls want:
+    x [..., K] -> [..., N] fp32. WIDE_ROWS_F32 rows or more (a prefill's chunk) multiply the weight dequantised for
+    the call with torch's fp32 matmul, which is faster there."""
     if not x.is_contiguous():
         x = x.contiguous()
-    m = x.numel() // w.in_features
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    if m >= WIDE_ROWS_F32:
+    if x.numel() >= WIDE_ROWS_F32 * w.in_features:
         return F.linear(x, dequantise_f32(w), bias)
-    y = torch.empty(*x.shape[:-1], w.out_features)
-    if m:
-        _avx2_lib().upesi_qgemm_avx2(x.data_ptr(), m, w.in_features, w.in_features, w.desc_ptr,
-                                     None if bias is None else bias.data_ptr(), w.out_features, y.data_ptr(),
-                                     w.out_features, torch.get_num_threads())
-    return y
+    return call_avx2(x, w, bias)
 
 
 def _agrees(fns: tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]) -> bool:
