@@ -93,12 +93,12 @@ class ServeStack:
     streams (2-core EPYC, 2026-12-05)."""
 
     def __init__(self, args: list[str]) -> None:
-        port = lambda: str(free_port())            # noqa: E731
-        self.address = f"127.0.0.1:{free_port()}"
+        self.address, self.http_port = f"127.0.0.1:{free_port()}", free_port()
         self.metrics_ports = (free_port(), free_port())        # the target's and the draft's /metrics
         self.log = open(Path(tempfile.gettempdir()) / "upesi-bench-peers-serve.log", "w")
         cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", *args,
-               "--address", self.address, "--http-port", port(), "--target-address", f"127.0.0.1:{free_port()}",
+               "--address", self.address, "--http-port", str(self.http_port),
+               "--target-address", f"127.0.0.1:{free_port()}",
                "--target-metrics-port", str(self.metrics_ports[0]), "--draft-address", f"127.0.0.1:{free_port()}",
                "--draft-metrics-port", str(self.metrics_ports[1]), "--expert-metrics-port", "0"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,

@@ -6,7 +6,8 @@ template applied by vLLM's tokenizer, `--tokens` new tokens (EOS ignored, so bot
   single : each prompt alone, tokens / wall seconds, TTFT from a 1-token request, CPU seconds per token
   c4, c32: the prompts x 1 and x 8 in one generate() call
 With --ngram K the engine speculates with prompt lookup (K tokens) and only `single` is measured.
-Prints one JSON line.
+With --prefill N... only time to first token is measured: a fresh prompt of N random token ids (the same ids for
+every engine: a fixed seed), `max_tokens: 1`, prefix caching off, best of --reps. Prints one JSON line.
 
     VLLM_PYTHON bench/peer_vllm.py --model HF_DIR --prompts-json FILE [--dtype bfloat16] [--ngram 4]
 """
@@ -28,7 +29,11 @@ def main() -> None:
     ap.add_argument("--loads", type=int, nargs="+", default=[1, 4, 32])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ngram", type=int, default=0, help="prompt-lookup speculation with K tokens (0 = off)")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths: time to first token only")
     a = ap.parse_args()
+    if a.prefill:
+        print(json.dumps(prefill(a)), flush=True)
+        return
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -77,6 +82,29 @@ def main() -> None:
         best["ttft_s"] = run(batch, first)[1]
         out[f"c{load}"] = best
     print(json.dumps(out), flush=True)
+
+
+def prefill(a: argparse.Namespace) -> dict[str, float]:
+    """{length: seconds} to answer a prompt of that many token ids with one token (best of a.reps)."""
+    import random
+
+    from vllm import LLM, SamplingParams
+    longest = max(a.prefill)
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=max(2048, longest + 16), seed=0,
+              distributed_executor_backend="uni", enable_prefix_caching=False)
+    rng = random.Random(0)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(64)]}], one, use_tqdm=False)
+    out = {}
+    for n in a.prefill:
+        best = float("inf")
+        for _ in range(a.reps):
+            ids = [rng.randrange(100, 40000) for _ in range(n)]
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+            best = min(best, time.perf_counter() - t)
+        out[str(n)] = best
+    return out
 
 
 if __name__ == "__main__":

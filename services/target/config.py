@@ -34,6 +34,11 @@ class TargetConfig(options.TLS):
     num_kv_blocks: int | None = option(None, "number of KV blocks (overrides --kv-cache-gb)")
     max_num_seqs: int = option(64, "most sequences in the running batch")
     max_num_batched_tokens: int = option(512, "most tokens per forward step (chunked-prefill budget)")
+    prefill_chunk_tokens: int = option(2048, "most tokens per forward step while no sequence is decoding: a "
+                                             "prompt alone prefills in chunks this long")
+    prefill_itl_stretch: float = option(2.0, "while sequences decode, a prompt's chunks are sized (by measured step "
+                                             "times) to keep a step within this many decode-only steps; 0 = off, "
+                                             "chunks then take the rest of --max-num-batched-tokens")
     max_waiting_seqs: int = option(1024, "most sequences waiting for a place in the batch; a request beyond it is "
                                          "refused with RESOURCE_EXHAUSTED (the router tries it again elsewhere or "
                                          "answers 429) instead of queueing without bound")

@@ -24,6 +24,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64                # sequences in the running batch
     max_num_batched_tokens: int = 512     # tokens per forward step (chunked prefill budget)
+    prefill_chunk_tokens: int = 2048      # the budget of a step while no sequence is decoding (prompts alone)
+    prefill_itl_stretch: float = 2.0      # beside decodes, prompt chunks sized to keep their step <= this x a
+                                          # decode-only step, measured (shared.engine.prefill_pacer); 0 = off
     max_waiting_seqs: int = 1024          # serving (AsyncEngine): sequences waiting for a batch slot before new
                                           # requests are refused (Overloaded); the offline API queues any number
     max_model_len: int | None = None      # None = the model's context window
@@ -54,8 +57,12 @@ class EngineConfig:
     dequantise_gguf: bool = False         # GGUF files: quantised layers dequantised at load (default: kept packed)
 
     def __post_init__(self) -> None:
-        if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting_seqs) < 1:
-            raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and max_waiting_seqs must be positive")
+        if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_tokens,
+               self.max_waiting_seqs) < 1:
+            raise ValueError("block_size, max_num_seqs, max_num_batched_tokens, prefill_chunk_tokens and "
+                             "max_waiting_seqs must be positive")
+        if self.prefill_itl_stretch and self.prefill_itl_stretch <= 1:
+            raise ValueError(f"prefill_itl_stretch must be 0 (off) or above 1, got {self.prefill_itl_stretch}")
         check_speculative_max_seqs(self.speculative_max_seqs)
         check_wide_threads(self.wide_threads)
         if self.kv_cache_gb <= 0:

@@ -28,6 +28,7 @@ from shared.engine.proposal import ProposerFactory
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
+from shared.engine.prefill_pacer import PrefillPacer
 from shared.engine.spec_guard import SpecGuard
 from shared.engine.structured import Guides
 from shared.engine.speculation import SpeculationMixin
@@ -65,7 +66,9 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg.block_size, dtype, model)
         num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        pacer = PrefillPacer(cfg.prefill_itl_stretch, cfg.max_num_batched_tokens) if cfg.prefill_itl_stretch else None
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.prefill_chunk_tokens, pacer)
         self.runner = ModelRunner(model, self.model_cfg, num_blocks, cfg.block_size, dtype, device)
         self.long_rope_after: int | None = getattr(model, "long_rope_after", None)   # LongRoPE's original window
         kvh, dh, shared = kv_cache_layout(model, self.model_cfg)
@@ -170,7 +173,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        speculated = any(seq.spec_tokens for seq in batch.seqs)
+        speculated, split = any(seq.spec_tokens for seq in batch.seqs), batch.prompt_split()
         t0 = time.perf_counter()
         bm = self.block_manager
         self._sync_blocks()
@@ -209,6 +212,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
                 if seq.block_table:
                     bm.release_before(seq, seq.num_computed_tokens - self.window + 1)
         self.last_step_s = time.perf_counter() - t0
+        if self.scheduler.pacer is not None:
+            self.scheduler.pacer.observe(*split, self.last_step_s)
         if guarded:
             emitted = sum(len(d.token_ids) for d in deltas)
             self.spec_guard.observe(guarded, speculated, time.perf_counter() - t_start, emitted)

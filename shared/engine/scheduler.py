@@ -2,14 +2,19 @@
 
 Each step: every running sequence that is decoding gets its one token, then running sequences still
 prefilling get a chunk, then waiting sequences are admitted while the token budget and free blocks
-allow. Sequences join and leave between steps. When a decoding sequence needs a block and none is free,
-the newest running sequence is preempted (its blocks freed, recomputed later from its tokens).
+allow. The token budget is max_num_batched_tokens while any sequence decodes (a long prompt's chunks then
+share steps with the decodes), and prefill_chunk_tokens while every running sequence is still prefilling
+(larger matrix steps reach the first token sooner); with a PrefillPacer, the prompt tokens of a step with
+decodes are as many as it measures affordable. Sequences join and leave between steps. When a
+decoding sequence needs a block and none is free, the newest running sequence is preempted (its blocks
+freed, recomputed later from its tokens).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from shared.engine.prefill_pacer import PrefillPacer
 from shared.engine.sequence import Sequence, Status
 from shared.kv.block_manager import BlockManager
 
@@ -21,15 +26,24 @@ class ScheduledBatch:
     num_tokens: list[int]
     num_decodes: int
 
+    def prompt_split(self) -> tuple[int, int]:
+        """(sequences past their prompt, prompt tokens) of the batch, read before the step runs."""
+        prompt = [n for s, n in zip(self.seqs, self.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens]
+        return len(self.seqs) - len(prompt), sum(prompt)
+
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_chunk_tokens: int | None = None, pacer: PrefillPacer | None = None) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # while no sequence decodes, a step may take this many prompt tokens: fewer, larger matrix steps
+        self.prefill_chunk_tokens = max(prefill_chunk_tokens or 0, max_num_batched_tokens)
+        self.pacer = pacer                  # beside decodes, prompts take the tokens it measures affordable
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -42,6 +56,12 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
+        decoding = sum(s.num_uncomputed for s in self.running if s.num_computed_tokens >= s.num_prompt_tokens)
+        paced = self.pacer.budget() if self.pacer is not None else None
+        if not decoding and not any(s.num_computed_tokens >= s.num_prompt_tokens for s in self.running):
+            budget = max(budget, self.prefill_chunk_tokens)     # nothing decodes: prompts alone, longer chunks
+        elif paced is not None:
+            budget = min(budget, decoding + paced)
         decodes: list[Sequence] = []
         chunks: list[tuple[Sequence, int]] = []
         # 1. running sequences, oldest first; preempt from the newest end when blocks run out.

@@ -6,7 +6,7 @@ path gathers every cached block of K and of V into new tensors, builds a mask, s
 dozen small ops (close to a third of a layer's time at batch 1: docs/performance.md). The C kernel reads K/V in place
 through the block table, one query row at a time, positions in order, so a row's result does not depend on the
 rows beside it (a verification row equals the decode row it stands for). Sequences with more than MAX_ROWS new
-tokens (long prefills) stay on the reference, whose SDPA is faster there.
+tokens (long prefill chunks) go to shared.ops.prefill_attention, matrix work on tiles.
 
 Built with shared.ops.c_build at first use; where it cannot run (no compiler, UPESI_CPU_ATTENTION=0, a self-check
 that disagrees with the reference) `available()` is False and the torch path runs.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from shared.ops import c_build
+from shared.ops import c_build, prefill_attention
 from shared.ops.cpu_features import cpu_flags
 from shared.ops.paged_attention import AttentionMetadata, _extend, paged_attention_ref
 
@@ -208,6 +208,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                      softcap or 0.0)
     for b, lo in long:
         n = meta.query_lens[b]
+        if b not in meta.tree_masks and not softcap and (not window or prefill_attention.amx_supports(q, k_cache)):
+            out[lo:lo + n] = prefill_attention.attention(q[lo:lo + n], k_cache, v_cache, meta.block_tables[b],
+                                                         meta.seq_lens_host[b], scale, window)
+            continue
         if window or softcap:                       # a long chunk with a window or a cap: the reference, its rows
             one = AttentionMetadata(meta.slot_mapping[lo:lo + n], meta.block_tables[b:b + 1],
                                     meta.seq_lens[b:b + 1], torch.tensor([0, n]), 0, [n],

@@ -1,0 +1,339 @@
+// Prefill attention on AMX tiles: one sequence's chunk of new tokens against its paged bf16 cache, flash-style
+// (shared/ops/prefill_attention.py loads this; its reference is shared.ops.paged_attention.paged_attention_ref).
+//
+// The sequence holds L tokens after this step; its n new tokens sit at positions L - n .. L - 1 and each attends
+// causally every position up to its own (with a sliding window W > 0: only positions > its own - W).
+//
+// Everything is computed transposed, keys as rows and queries as columns, so that the online softmax runs down
+// columns: 16 queries in the lanes of one vector, each key one vector, with no sums across lanes and no branches.
+// tdpbf16ps multiplies A [16 rows, 32 bf16] by B [16 pairs of the shared dimension, 16 columns x 2 bf16]:
+//   S^T [32 keys, 16 queries] = K [keys, Dh] . Q^T           A: K rows as they are; B: Q^T in pairs of dims
+//   O^T [Dh, 16 queries]     += V^T [Dh, 32 keys] . P^T      A: V^T;                B: P^T in pairs of keys
+// 1. Packing, once per call and KV head, of the keys the chunk's rows can reach (keys past L are zeros):
+//      kp[key][Dh]                     the keys gathered from their cache slots
+//      vt[block of 32 keys][Dh][32]   the values transposed (pairs of keys, then a 16 x 16 u32 transpose)
+// 2. Work items: 16 consecutive queries of one head, the largest first; Q^T is packed once per item. For each
+//    block of 32 keys up to the last query's position: S^T on two accumulator tiles; per key vector the scores
+//    are scaled into base 2 (s scale log2 e), masked on the blocks that cross a query's position or window
+//    edge, and exponentiated against the running column maximum (2^t by a degree-5 polynomial and scalef); the
+//    running sum and O^T (an fp32 buffer loaded onto tiles) are rescaled where a column's maximum grew; P^T is
+//    rounded to bf16. Blocks past every query's position or before every window are never read.
+//    out = (O^T / l)^T, rounded to bf16.
+// Shapes: q, out [n, H, Dh] bf16 with rows ldq / ldo elements apart; caches [NB, BS, KVH, Dh]; table [MB] int64.
+// Dh must be a multiple of 64, at most 256.
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx.h"
+
+#define LAZY 8.0f          // a column's reference maximum moves only when the scores pass it by this (base 2)
+#define FLOOR_T (-126.0f)   // exponents (base 2) below this give 2^-126: nothing beside a column's maximum
+
+int upesi_prefill_amx_setup(void) { return amx_request(); }
+
+// S^T of two query tiles: tmm0-1 / tmm2-3 (keys 0-15, 16-31), tmm4-5 K chunks, tmm6 / tmm7 Q^T chunks.
+// O^T: tmm0 / tmm1 the tiles' P^T, tmm2-3 V^T chunks, tmm4-7 chunks of 16 dims of O^T (two per tile).
+static void configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+// 2^t for t in [FLOOR_T, LAZY]: 2^n 2^f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 5 (relative error
+// below 3e-6, far under bf16's rounding of P).
+static inline __m512 exp2_16(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(FLOOR_T));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// 16 x 16 u32: rows r[i] -> r[i][j] becomes row j, column i.
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // each 128-bit lane now holds a 4 x 4 block; gather the lanes
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 2; j++) {
+            __m512i a = r[i + 8 * j], b = r[i + 4 + 8 * j];
+            t[i + 8 * j] = _mm512_shuffle_i32x4(a, b, 0x88);
+            t[i + 4 + 8 * j] = _mm512_shuffle_i32x4(a, b, 0xdd);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 2; j++) {
+            __m512i a = t[i + 4 * j], b = t[i + 8 + 4 * j];
+            r[i + 4 * j] = _mm512_shuffle_i32x4(a, b, 0x88);
+            r[i + 8 + 4 * j] = _mm512_shuffle_i32x4(a, b, 0xdd);
+        }
+    }
+}
+
+typedef struct {
+    const uint16_t *k_cache, *v_cache;
+    const int64_t *table;
+    int64_t bs, kvh, dh, base, len;   // keys base .. len - 1 are packed (base a multiple of 32)
+} cache_view;
+
+static inline const uint16_t *key_row(const cache_view *c, const uint16_t *cache, int64_t k, int head) {
+    int64_t slot = c->table[k / c->bs] * c->bs + k % c->bs;
+    return cache + (slot * c->kvh + head) * c->dh;
+}
+
+// Block b (32 keys from base + 32 b) of one head: keys into kp, values transposed into vt.
+static void pack_block(const cache_view *c, int head, int64_t b, uint16_t *kp, uint16_t *vt) {
+    int64_t dh = c->dh;
+    for (int j = 0; j < 32; j++) {
+        int64_t k = c->base + 32 * b + j;
+        uint16_t *dst = kp + (32 * b + j) * dh;
+        if (k < c->len)
+            memcpy(dst, key_row(c, c->k_cache, k, head), (size_t)dh * 2);
+        else
+            memset(dst, 0, (size_t)dh * 2);
+    }
+    for (int64_t d0 = 0; d0 < dh; d0 += 16) {
+        __m512i r[16];                                    // r[p] = 16 dims' (V[2p][d], V[2p + 1][d])
+        for (int p = 0; p < 16; p++) {
+            int64_t k = c->base + 32 * b + 2 * p;
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            if (k < c->len)
+                lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(key_row(c, c->v_cache, k, head) + d0)));
+            if (k + 1 < c->len)
+                hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                    (const void *)(key_row(c, c->v_cache, k + 1, head) + d0)));
+            r[p] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        }
+        transpose16(r);                                   // r[d] = dim d0 + d's 32 keys
+        for (int d = 0; d < 16; d++)
+            _mm512_storeu_si512(vt + (b * dh + d0 + d) * 32, r[d]);
+    }
+}
+
+// P^T's 32 key vectors (fp32, queries in lanes) -> the B tile: row p = per query (P[2p], P[2p + 1]) in bf16.
+static inline void pack_p(const __m512 *e, uint16_t *dst) {
+    static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i mix = _mm512_loadu_si512(order);
+    for (int p = 0; p < 16; p++)
+        _mm512_storeu_si512(dst + 32 * p, _mm512_permutexvar_epi16(mix, (__m512i)_mm512_cvtne2ps_pbh(e[2 * p + 1],
+                                                                                                     e[2 * p])));
+}
+
+// One query tile: 16 consecutive queries of one head, and its running softmax state.
+typedef struct {
+    float s[32 * 16], o[256 * 16];   // S^T of the block [32 keys][16 queries]; O^T [Dh][16] fp32
+    uint16_t p[16 * 32], qt[8 * 512];  // P^T as a B tile; Q^T per 32 dims: [16 pairs of dims][16 queries][2]
+    int64_t i0, first, last;         // its first row; its first and last positions
+    int rows;                        // 0: a tile past the chunk (all its lanes are ignored)
+} qtile;
+
+// Q^T of a tile's rows (per 32 dims, a 16 x 16 u32 transpose; missing rows zeros) and an empty O^T.
+static void start_tile(qtile *t, const uint16_t *q, int64_t ldq, int head, int64_t dh) {
+    for (int64_t ch = 0; ch < dh / 32; ch++) {
+        __m512i r[16];
+        for (int j = 0; j < 16; j++)
+            r[j] = j < t->rows ? _mm512_loadu_si512(q + (t->i0 + j) * ldq + head * dh + 32 * ch)
+                               : _mm512_setzero_si512();
+        transpose16(r);
+        for (int p = 0; p < 16; p++)
+            _mm512_storeu_si512(t->qt + ch * 512 + 32 * p, r[p]);
+    }
+    memset(t->o, 0, (size_t)dh * 16 * sizeof(float));
+}
+
+// S^T of two tiles for one block: the key tiles are loaded once for both, four independent sums per step.
+static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ch = 0; ch < dh / 32; ch++) {
+        _tile_loadd(4, ka + 32 * ch, dh * 2);
+        _tile_loadd(5, ka + 16 * dh + 32 * ch, dh * 2);
+        _tile_loadd(6, a->qt + ch * 512, 64);
+        _tile_loadd(7, b->qt + ch * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, a->s, 64);
+    _tile_stored(1, a->s + 256, 64);
+    _tile_stored(2, b->s, 64);
+    _tile_stored(3, b->s + 256, 64);
+}
+
+// O^T += V^T P^T for two tiles: each V^T chunk (16 dims) loaded once for both.
+static inline void accumulate(qtile *a, qtile *b, const uint16_t *vb, int64_t dh) {
+    _tile_loadd(0, a->p, 64);
+    _tile_loadd(1, b->p, 64);
+    for (int64_t d = 0; d < dh; d += 32) {
+        _tile_loadd(2, vb + d * 32, 64);
+        _tile_loadd(4, a->o + d * 16, 64);
+        _tile_loadd(5, b->o + d * 16, 64);
+        _tile_dpbf16ps(4, 2, 0);
+        _tile_dpbf16ps(5, 2, 1);
+        _tile_loadd(3, vb + (d + 16) * 32, 64);
+        _tile_loadd(6, a->o + (d + 16) * 16, 64);
+        _tile_loadd(7, b->o + (d + 16) * 16, 64);
+        _tile_dpbf16ps(6, 3, 0);
+        _tile_dpbf16ps(7, 3, 1);
+        _tile_stored(4, a->o + d * 16, 64);
+        _tile_stored(5, b->o + d * 16, 64);
+        _tile_stored(6, a->o + (d + 16) * 16, 64);
+        _tile_stored(7, b->o + (d + 16) * 16, 64);
+    }
+}
+
+// The online softmax of one tile's block (keys k0 .. k0 + 31): masked where the block crosses a query's position
+// or window edge; the running maximum m and sum l (per query, in lanes) and O^T rescaled where m grew; P^T out.
+static inline void softmax_block(qtile *t, __m512 *m, __m512 *l, int64_t k0, int64_t window, float scale,
+                                 int64_t dh) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32((int)t->first), iota);       // each query's position
+    const __m512i from = _mm512_sub_epi32(pos, _mm512_set1_epi32((int)window));         // window: keys > from
+    const __m512 c2 = _mm512_set1_ps(scale * 1.44269504f), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 e[32], top = ninf;
+    int edge = k0 + 31 > t->first || (window && k0 <= t->last - window);
+    for (int k = 0; k < 32; k++) {
+        e[k] = _mm512_loadu_ps(t->s + 16 * k);
+        if (edge) {
+            __m512i key = _mm512_set1_epi32((int)(k0 + k));
+            __mmask16 ok = _mm512_cmple_epi32_mask(key, pos);
+            if (window)
+                ok &= _mm512_cmpgt_epi32_mask(key, from);
+            e[k] = _mm512_mask_mov_ps(ninf, ok, e[k]);
+        }
+        top = _mm512_max_ps(top, e[k]);
+    }
+    __m512 mn = _mm512_max_ps(*m, _mm512_mul_ps(top, c2));
+    // Rescaled only where a column's maximum passed the one in use by more than LAZY: until then its weights
+    // stay below 2^LAZY (fine in fp32 and bf16), and the sums and O^T share the same reference anyway.
+    if (_mm512_cmp_ps_mask(mn, _mm512_add_ps(*m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ)) {
+        __m512 alpha = exp2_16(_mm512_sub_ps(*m, mn));
+        *l = _mm512_mul_ps(*l, alpha);
+        for (int64_t d = 0; d < dh; d++)
+            _mm512_storeu_ps(t->o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(t->o + 16 * d), alpha));
+        *m = mn;
+    }
+    __m512 sum = *l, ref = *m;
+    for (int k = 0; k < 32; k++) {
+        __m512 p = exp2_16(_mm512_fmsub_ps(e[k], c2, ref));
+        if (edge)                                          // masked keys: exactly nothing
+            p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e[k], ninf, _CMP_NEQ_OQ), p);
+        e[k] = p;
+        sum = _mm512_add_ps(sum, p);
+    }
+    *l = sum;
+    pack_p(e, t->p);
+}
+
+// out rows of a finished tile: O^T's columns / l, transposed back 16 dims at a time, rounded to bf16.
+static void finish_tile(const qtile *t, __m512 l, uint16_t *out, int64_t ldo, int head, int64_t dh) {
+    __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+    for (int64_t d0 = 0; d0 < dh; d0 += 16) {
+        __m512i r[16];
+        for (int d = 0; d < 16; d++)
+            r[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(t->o + 16 * (d0 + d)), inv));
+        transpose16(r);                                   // r[j] = query j's 16 dims
+        for (int j = 0; j < t->rows; j++)
+            _mm256_storeu_si256((void *)(out + (t->i0 + j) * ldo + head * dh + d0),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
+    }
+}
+
+// One work item: rows i0 .. i0 + 31 of head h (fewer at the chunk's end), as two tiles that share every key and
+// value tile. Blocks past the second tile's last position, or before the first tile's window, are never read.
+static void queries_of_head(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, int h, int64_t i0,
+                            const cache_view *c, int64_t n, int64_t window, float scale, const uint16_t *kp,
+                            const uint16_t *vt, qtile *t) {
+    int64_t dh = c->dh;
+    for (int i = 0; i < 2; i++) {
+        int64_t r0 = i0 + 16 * i;
+        t[i].i0 = r0;
+        t[i].rows = (int)(n - r0 >= 16 ? 16 : n - r0 > 0 ? n - r0 : 0);
+        t[i].first = c->len - n + r0;
+        t[i].last = t[i].first + 15;
+        start_tile(&t[i], q, ldq, h, dh);
+    }
+    __m512 m[2] = {_mm512_set1_ps(-1e30f), _mm512_set1_ps(-1e30f)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t last = t[1].rows ? t[1].first + t[1].rows - 1 : t[0].first + t[0].rows - 1;
+    int64_t lo = window ? t[0].first - window + 1 : 0;
+    lo = lo < c->base ? c->base : lo;
+    for (int64_t b = (lo - c->base) / 32; c->base + 32 * b <= last; b++) {
+        int64_t k0 = c->base + 32 * b;
+        scores(&t[0], &t[1], kp + 32 * b * dh, dh);
+        softmax_block(&t[0], &m[0], &l[0], k0, window, scale, dh);
+        softmax_block(&t[1], &m[1], &l[1], k0, window, scale, dh);
+        accumulate(&t[0], &t[1], vt + 32 * b * dh, dh);
+    }
+    finish_tile(&t[0], l[0], out, ldo, h, dh);
+    if (t[1].rows)
+        finish_tile(&t[1], l[1], out, ldo, h, dh);
+}
+
+// q [n, H, Dh] bf16 (rows ldq apart, rotated), out [n, H, Dh] bf16 (rows ldo apart), caches [NB, BS, KVH, Dh]
+// bf16 already holding this chunk's keys and values, table [MB] int64, len = L, window = W (0: none).
+// Returns 0, or -1 where Dh is not a multiple of 64 up to 256 or the scratch could not be allocated.
+int upesi_prefill_attention_amx(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int64_t *table, int64_t bs, int64_t n, int64_t len,
+                                int h, int kvh, int64_t dh, float scale, int64_t window, int threads) {
+    if (dh % 64 || dh > 256 || n <= 0 || n > len)
+        return -1;
+    int64_t base = window ? len - n - window + 1 : 0;
+    base = base < 0 ? 0 : base & ~(int64_t)31;
+    int64_t blocks = (len - base + 31) / 32, per_head = blocks * 32 * dh;
+    uint16_t *kp = malloc((size_t)(2 * kvh * per_head) * 2);
+    qtile *work = aligned_alloc(64, (size_t)(2 * (threads > 1 ? threads : 1)) * sizeof(qtile));
+    if (!kp || !work) {
+        free(kp);
+        free(work);
+        return -1;
+    }
+    uint16_t *vt = kp + kvh * per_head;
+    cache_view c = {k_cache, v_cache, table, bs, kvh, dh, base, len};
+    int64_t items = (n + 31) / 32, group = h / kvh;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < kvh * blocks; i++)
+            pack_block(&c, (int)(i / blocks), i % blocks, kp + (i / blocks) * per_head, vt + (i / blocks) * per_head);
+        qtile *w = work + 2 * omp_get_thread_num();
+        configure();
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items * h; t++) {           // the last queries (most keys) first
+            int64_t item = items - 1 - t / h;
+            int head = (int)(t % h);
+            queries_of_head(q, ldq, out, ldo, head, item * 32, &c, n, window, scale, kp + (head / group) * per_head,
+                            vt + (head / group) * per_head, w);
+        }
+        _tile_release();
+    }
+    free(kp);
+    free(work);
+    return 0;
+}
