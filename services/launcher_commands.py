@@ -92,7 +92,8 @@ def children(cfg: ServeConfig) -> list[Child]:
     # first connected and of blocks a prefill target computed
     hidden = ["--capture-hidden"] if (cfg.draft or "").startswith("eagle:") else []
     common = ["--kv-cache-gb", str(cfg.kv_cache_gb), "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
-              "--dtype", cfg.dtype, *model, *overrides, *threads]
+              "--dtype", cfg.dtype, "--prefill-itl-stretch", str(cfg.prefill_itl_stretch), *model, *overrides,
+              *threads]
     for i, address in enumerate(cfg.target_addresses()):
         out.append(Child(f"target {i}", address, [
             "target", "--address", address, "--replica-id", address, "--metrics-port", metrics_port(cfg, i),

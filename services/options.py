@@ -35,6 +35,12 @@ def adaptive_speculation() -> Any:
                         "fewer after none, between 1 and K); false: always K")
 
 
+def prefill_itl_stretch() -> Any:
+    return option(2.0, "while sequences decode, a prompt's chunks are sized (by measured step times) to keep a step "
+                       "within this many decode-only steps; 0 = off: chunks take the rest of "
+                       "--max-num-batched-tokens")
+
+
 def speculation_guard() -> Any:
     return option(False, "the targets time their speculative and plain decode steps (per token, per batch size) and "
                          "speculate only while that is the cheaper, trying the other kind every 16 steps; requests "

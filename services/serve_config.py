@@ -71,6 +71,7 @@ class ServeConfig:
     num_speculative_tokens: int = options.num_speculative_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
     speculation_guard: bool = options.speculation_guard()
+    prefill_itl_stretch: float = options.prefill_itl_stretch()
     speculative_max_requests: int = option(1, "with --draft: requests speculate only while at most this many are "
                                               "in flight at the router (more: plain decoding on the target; "
                                               "0 = always)")

@@ -36,9 +36,7 @@ class TargetConfig(options.TLS):
     max_num_batched_tokens: int = option(512, "most tokens per forward step (chunked-prefill budget)")
     prefill_chunk_tokens: int = option(2048, "most tokens per forward step while no sequence is decoding: a "
                                              "prompt alone prefills in chunks this long")
-    prefill_itl_stretch: float = option(2.0, "while sequences decode, a prompt's chunks are sized (by measured step "
-                                             "times) to keep a step within this many decode-only steps; 0 = off, "
-                                             "chunks then take the rest of --max-num-batched-tokens")
+    prefill_itl_stretch: float = options.prefill_itl_stretch()
     max_waiting_seqs: int = option(1024, "most sequences waiting for a place in the batch; a request beyond it is "
                                          "refused with RESOURCE_EXHAUSTED (the router tries it again elsewhere or "
                                          "answers 429) instead of queueing without bound")

@@ -151,18 +151,23 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
                             int(qkv.dtype == torch.bfloat16))
 
 
+TILED_ROWS = 8         # prompt chunks of this many rows or more and at least TILED_WORK rows x positions go to the
+TILED_WORK = 8192      # AMX prefill kernel where it runs (2 threads: 16 rows at 3,000 positions 0.74 ms a layer
+                       # against 1.71, at 300 positions 0.09 against 0.18, there the fused decoder's C path wins)
 ROW_BLOCK = 8          # a sequence's rows per work item (a 9-row verification: blocks of 5 and 4, both threads busy)
 
 
-def row_descriptors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, list[int], int, int]:
+def row_descriptors(meta: AttentionMetadata, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int], int,
+                                                                           int]:
     """Once per step (the layers share it): [R, 5] int64 (row, sequence, cached positions before its new tokens,
     index among them, tree bits) of the rows C computes, [NB, 2] (first row, rows) of their blocks (rows of one
-    sequence), (sequence, first row) of those left to the reference, the longest sequence among the C rows and
-    the most rows of a block."""
+    sequence), (sequence, first row) of the long chunks (`tiled`: prompt chunks from TILED_ROWS rows on too), the
+    longest sequence among the C rows and the most rows of a block."""
     if meta.cpu_rows is None:
         desc, blocks, long, start, longest, widest = [], [], [], 0, 0, 1
+        to_tiles = tiled_chunks(meta) if tiled else set()
         for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
-            if n > MAX_ROWS:
+            if n > MAX_ROWS or b in to_tiles:
                 long.append((b, start))
             else:
                 tree = meta.tree_masks.get(b)
@@ -178,6 +183,14 @@ def row_descriptors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor
         meta.cpu_rows = (torch.tensor(desc, dtype=torch.int64).view(-1, 5),
                          torch.tensor(blocks, dtype=torch.int64).view(-1, 2), long, longest, widest)
     return meta.cpu_rows
+
+
+def tiled_chunks(meta: AttentionMetadata) -> set[int]:
+    """Sequences of the step whose rows (a prompt chunk of at most MAX_ROWS rows, no tree) pay on the AMX prefill
+    kernel rather than row by row (longer chunks always go there)."""
+    prompts = meta.prompt_chunks or []
+    return {b for b, (n, length, prompt) in enumerate(zip(meta.query_lens, meta.seq_lens_host, prompts))
+            if prompt and TILED_ROWS <= n <= MAX_ROWS and n * length >= TILED_WORK and b not in meta.tree_masks}
 
 
 def _tree_bits(mask: torch.Tensor) -> list[int]:
@@ -198,7 +211,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1 or q.stride(1) != dh:
         q = q.contiguous()
     out = torch.empty(t, h, dh, dtype=q.dtype)
-    rows, blocks, long, longest, widest = row_descriptors(meta)
+    rows, blocks, long, longest, widest = row_descriptors(meta, not softcap and prefill_attention.amx_supports(q,
+                                                                                                         k_cache))
     if len(rows):
         bt = meta.block_tables
         _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.ops import c_build, cpu_attention, qgemm, rms_norm, rows_gemm_bf16
+from shared.ops import c_build, cpu_attention, prefill_attention, qgemm, rms_norm, rows_gemm_bf16
 from shared.ops.cpu_features import cpu_flags
 from shared.ops.paged_attention import AttentionMetadata
 from shared.ops.qgemm import QWeight
@@ -144,9 +144,11 @@ class DecoderStack:
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's rows x [T, D] can go through C: bf16 on CPU, at most MAX_ROWS rows, every
-        sequence's new rows within the attention kernel's limit."""
+        sequence's new rows within the attention kernel's limit, no prompt chunk the AMX prefill kernel takes."""
         return (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= max_rows() and not torch.is_grad_enabled()
-                and meta.max_query_len <= cpu_attention.MAX_ROWS)
+                and meta.max_query_len <= cpu_attention.MAX_ROWS
+                and not (self.head_dim % 64 == 0 and self.head_dim <= 256 and prefill_attention.amx_available()
+                         and cpu_attention.tiled_chunks(meta)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, D] bf16 (the embeddings), cos / sin [T, R] bf16 (R: the rotated dims of a head) -> the residual

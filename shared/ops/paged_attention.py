@@ -39,6 +39,7 @@ class AttentionMetadata:
     cpu_rows: tuple | None = None            # the CPU kernel's row descriptors (shared.ops.cpu_attention, first use)
     row_positions: torch.Tensor | None = None  # [T] int64, each row's position, for sliding windows (first use)
     long_rope: list[bool] | None = None      # [B] LongRoPE past its window: the sequence is on the long factors
+    prompt_chunks: list[bool] | None = None  # [B] the sequence's new tokens are prompt tokens (a prefill chunk)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -53,6 +53,10 @@ def _amx_lib() -> ctypes.CDLL | None:
     return lib
 
 
+def amx_available() -> bool:
+    return _amx_lib() is not None
+
+
 def amx_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the AMX kernel takes these rows: bf16 on CPU, Dh a multiple of 64 up to 256, heads contiguous."""
     return (q.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] % 64 == 0

@@ -82,19 +82,22 @@ def test_sdpa_split_matches_reference(n, length, h, kvh, dh, dtype, tol):
     torch.testing.assert_close(got.float(), _reference(q, k, v, table, length, dh ** -0.5), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("chunk", [200, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_with_decodes_and_a_long_chunk(dtype):
-    """Two decode rows and a 200-row chunk resuming at position 37 (mid-block) in one step, as the model calls it."""
+def test_step_with_decodes_and_a_prompt_chunk(dtype, chunk):
+    """Two decode rows and a prompt chunk resuming mid-block in one step, as the model calls it: 200 rows go to
+    prefill_attention everywhere; 16 rows at 637 positions to the AMX kernel where it runs (tiled_chunks)."""
     if not cpu_attention.supports(torch.zeros(1, 9, 64, dtype=dtype), torch.zeros(1, 16, 3, 64, dtype=dtype)):
         pytest.skip("the CPU attention kernel does not run here")
-    k, v, _ = _cache(16 * 40, 3, 64, dtype)
-    tables = torch.zeros(3, 16, dtype=torch.int64)                       # padded with block 0, as the runner does
-    tables[0, :8], tables[1, :8], tables[2] = torch.arange(30, 38), torch.arange(8, 16), torch.arange(16, 32)
-    lens, qlens = [100, 7, 237], [1, 1, 200]
+    k, v, _ = _cache(16 * 60, 3, 64, dtype)
+    tables = torch.zeros(3, 45, dtype=torch.int64)                       # padded with block 0, as the runner does
+    tables[0, :8], tables[1, :8], tables[2] = torch.arange(0, 8), torch.arange(8, 16), torch.arange(20, 65)
+    lens, qlens = [100, 7, 637], [1, 1, chunk]
     t = sum(qlens)
     q = torch.randn(t, 9, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
     meta = AttentionMetadata(torch.zeros(t, dtype=torch.int64), tables, torch.tensor(lens), torch.tensor([0, 1, 2, t]),
-                             2, qlens, lens, 200)
+                             2, qlens, lens, chunk, prompt_chunks=[False, False, True])
+    assert cpu_attention.tiled_chunks(meta) == ({2} if chunk <= cpu_attention.MAX_ROWS else set())
     got = cpu_attention.paged_attention(q, k, v, meta, 0.125)
     want = paged_attention_ref(q.float(), k.float(), v.float(), meta, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
