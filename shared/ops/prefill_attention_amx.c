@@ -12,13 +12,14 @@
 // 1. Packing, once per call and KV head, of the keys the chunk's rows can reach (keys past L are zeros):
 //      kp[key][Dh]                     the keys gathered from their cache slots
 //      vt[block of 32 keys][Dh][32]   the values transposed (pairs of keys, then a 16 x 16 u32 transpose)
-// 2. Work items: 16 consecutive queries of one head, the largest first; Q^T is packed once per item. For each
-//    block of 32 keys up to the last query's position: S^T on two accumulator tiles; per key vector the scores
-//    are scaled into base 2 (s scale log2 e), masked on the blocks that cross a query's position or window
-//    edge, and exponentiated against the running column maximum (2^t by a degree-5 polynomial and scalef); the
-//    running sum and O^T (an fp32 buffer loaded onto tiles) are rescaled where a column's maximum grew; P^T is
-//    rounded to bf16. Blocks past every query's position or before every window are never read.
-//    out = (O^T / l)^T, rounded to bf16.
+// 2. Work items: pairs of tiles (16 consecutive queries of one head each, both of one KV head), the most keys
+//    first; Q^T packed once per tile. For each block of 32 keys up to the last query's position: S^T on four
+//    accumulator tiles (the key tiles loaded once for both); per key vector the scores are scaled into base 2
+//    (s scale log2 e), masked on the blocks that cross a query's position or window edge, and exponentiated
+//    against the column's reference maximum (2^t by a degree-5 polynomial and scalef); the running sum and O^T
+//    (an fp32 buffer loaded onto tiles) are rescaled when a column's maximum passes the reference by 2^LAZY;
+//    P^T is rounded to bf16; O^T += V^T P^T with each V^T tile loaded once for both. Blocks past both tiles'
+//    positions or before both windows are never read. out = (O^T / l)^T, rounded to bf16.
 // Shapes: q, out [n, H, Dh] bf16 with rows ldq / ldo elements apart; caches [NB, BS, KVH, Dh]; table [MB] int64.
 // Dh must be a multiple of 64, at most 256.
 #include <immintrin.h>
@@ -148,15 +149,15 @@ typedef struct {
     float s[32 * 16], o[256 * 16];   // S^T of the block [32 keys][16 queries]; O^T [Dh][16] fp32
     uint16_t p[16 * 32], qt[8 * 512];  // P^T as a B tile; Q^T per 32 dims: [16 pairs of dims][16 queries][2]
     int64_t i0, first, last;         // its first row; its first and last positions
-    int rows;                        // 0: a tile past the chunk (all its lanes are ignored)
+    int head, rows;                  // rows 0: a stand-in beside the last tile (all its lanes are ignored)
 } qtile;
 
 // Q^T of a tile's rows (per 32 dims, a 16 x 16 u32 transpose; missing rows zeros) and an empty O^T.
-static void start_tile(qtile *t, const uint16_t *q, int64_t ldq, int head, int64_t dh) {
+static void start_tile(qtile *t, const uint16_t *q, int64_t ldq, int64_t dh) {
     for (int64_t ch = 0; ch < dh / 32; ch++) {
         __m512i r[16];
         for (int j = 0; j < 16; j++)
-            r[j] = j < t->rows ? _mm512_loadu_si512(q + (t->i0 + j) * ldq + head * dh + 32 * ch)
+            r[j] = j < t->rows ? _mm512_loadu_si512(q + (t->i0 + j) * ldq + t->head * dh + 32 * ch)
                                : _mm512_setzero_si512();
         transpose16(r);
         for (int p = 0; p < 16; p++)
@@ -253,7 +254,7 @@ static inline void softmax_block(qtile *t, __m512 *m, __m512 *l, int64_t k0, int
 }
 
 // out rows of a finished tile: O^T's columns / l, transposed back 16 dims at a time, rounded to bf16.
-static void finish_tile(const qtile *t, __m512 l, uint16_t *out, int64_t ldo, int head, int64_t dh) {
+static void finish_tile(const qtile *t, __m512 l, uint16_t *out, int64_t ldo, int64_t dh) {
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
     for (int64_t d0 = 0; d0 < dh; d0 += 16) {
         __m512i r[16];
@@ -261,28 +262,34 @@ static void finish_tile(const qtile *t, __m512 l, uint16_t *out, int64_t ldo, in
             r[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(t->o + 16 * (d0 + d)), inv));
         transpose16(r);                                   // r[j] = query j's 16 dims
         for (int j = 0; j < t->rows; j++)
-            _mm256_storeu_si256((void *)(out + (t->i0 + j) * ldo + head * dh + d0),
+            _mm256_storeu_si256((void *)(out + (t->i0 + j) * ldo + t->head * dh + d0),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
     }
 }
 
-// One work item: rows i0 .. i0 + 31 of head h (fewer at the chunk's end), as two tiles that share every key and
-// value tile. Blocks past the second tile's last position, or before the first tile's window, are never read.
-static void queries_of_head(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, int h, int64_t i0,
-                            const cache_view *c, int64_t n, int64_t window, float scale, const uint16_t *kp,
-                            const uint16_t *vt, qtile *t) {
-    int64_t dh = c->dh;
+// One work item: two tiles of one KV head's query heads (16 rows each; the second a stand-in with no rows where the
+// count is odd), sharing every key and value tile. unit u of KV head g: rows 16 (tiles - 1 - u / group) on of
+// query head g group + u % group, so a pair shares its positions or neighbours them, the most keys first.
+// Blocks past both tiles' last positions, or before both windows, are never read.
+static void pair_of_units(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, int g, int group,
+                          int64_t u0, int64_t units, const cache_view *c, int64_t n, int64_t window, float scale,
+                          const uint16_t *kp, const uint16_t *vt, qtile *t) {
+    int64_t dh = c->dh, tiles = (n + 15) / 16, last = 0, lo = INT64_MAX;
     for (int i = 0; i < 2; i++) {
-        int64_t r0 = i0 + 16 * i;
-        t[i].i0 = r0;
-        t[i].rows = (int)(n - r0 >= 16 ? 16 : n - r0 > 0 ? n - r0 : 0);
-        t[i].first = c->len - n + r0;
+        int64_t u = u0 + i < units ? u0 + i : u0;             // a stand-in repeats the first tile's rows
+        t[i].head = g * group + (int)(u % group);
+        t[i].i0 = 16 * (tiles - 1 - u / group);
+        t[i].rows = u0 + i < units ? (int)(n - t[i].i0 < 16 ? n - t[i].i0 : 16) : 0;
+        t[i].first = c->len - n + t[i].i0;
         t[i].last = t[i].first + 15;
-        start_tile(&t[i], q, ldq, h, dh);
+        start_tile(&t[i], q, ldq, dh);
+        if (t[i].rows) {
+            int64_t end = t[i].first + t[i].rows - 1, from = window ? t[i].first - window + 1 : 0;
+            last = end > last ? end : last;
+            lo = from < lo ? from : lo;
+        }
     }
     __m512 m[2] = {_mm512_set1_ps(-1e30f), _mm512_set1_ps(-1e30f)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t last = t[1].rows ? t[1].first + t[1].rows - 1 : t[0].first + t[0].rows - 1;
-    int64_t lo = window ? t[0].first - window + 1 : 0;
     lo = lo < c->base ? c->base : lo;
     for (int64_t b = (lo - c->base) / 32; c->base + 32 * b <= last; b++) {
         int64_t k0 = c->base + 32 * b;
@@ -291,9 +298,9 @@ static void queries_of_head(const uint16_t *q, int64_t ldq, uint16_t *out, int64
         softmax_block(&t[1], &m[1], &l[1], k0, window, scale, dh);
         accumulate(&t[0], &t[1], vt + 32 * b * dh, dh);
     }
-    finish_tile(&t[0], l[0], out, ldo, h, dh);
+    finish_tile(&t[0], l[0], out, ldo, dh);
     if (t[1].rows)
-        finish_tile(&t[1], l[1], out, ldo, h, dh);
+        finish_tile(&t[1], l[1], out, ldo, dh);
 }
 
 // q [n, H, Dh] bf16 (rows ldq apart, rotated), out [n, H, Dh] bf16 (rows ldo apart), caches [NB, BS, KVH, Dh]
@@ -316,7 +323,7 @@ int upesi_prefill_attention_amx(const uint16_t *q, int64_t ldq, uint16_t *out, i
     }
     uint16_t *vt = kp + kvh * per_head;
     cache_view c = {k_cache, v_cache, table, bs, kvh, dh, base, len};
-    int64_t items = (n + 31) / 32, group = h / kvh;
+    int64_t group = h / kvh, units = group * ((n + 15) / 16), pairs = (units + 1) / 2;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         #pragma omp for schedule(static)
@@ -325,11 +332,10 @@ int upesi_prefill_attention_amx(const uint16_t *q, int64_t ldq, uint16_t *out, i
         qtile *w = work + 2 * omp_get_thread_num();
         configure();
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < items * h; t++) {           // the last queries (most keys) first
-            int64_t item = items - 1 - t / h;
-            int head = (int)(t % h);
-            queries_of_head(q, ldq, out, ldo, head, item * 32, &c, n, window, scale, kp + (head / group) * per_head,
-                            vt + (head / group) * per_head, w);
+        for (int64_t t = 0; t < pairs * kvh; t++) {         // the last queries (most keys) first
+            int g = (int)(t % kvh);
+            pair_of_units(q, ldq, out, ldo, g, (int)group, 2 * (t / kvh), units, &c, n, window, scale,
+                          kp + g * per_head, vt + g * per_head, w);
         }
         _tile_release();
     }
