@@ -31,6 +31,7 @@ def _reference(q, k, v, table, length, scale, window=None) -> torch.Tensor:
 CASES = [  # new tokens, tokens in the cache after the step, heads, kv heads, head dim
     (1, 1, 9, 3, 64), (17, 17, 9, 3, 64), (100, 100, 9, 3, 64), (70, 301, 9, 3, 64), (33, 1000, 9, 3, 64),
     (300, 1013, 4, 1, 64), (65, 200, 8, 8, 128), (40, 90, 6, 2, 256), (259, 259, 2, 2, 192),
+    (200, 9000, 9, 3, 64),                       # past the default model's window: no length limit of its own
 ]
 
 
@@ -46,7 +47,8 @@ def test_amx_kernel_matches_reference(n, length, h, kvh, dh):
 
 
 @amx
-@pytest.mark.parametrize("n,length,window", [(300, 1000, 100), (40, 77, 33), (64, 64, 1), (50, 500, 499)])
+@pytest.mark.parametrize("n,length,window", [(300, 1000, 100), (40, 77, 33), (64, 64, 1), (50, 500, 499),
+                                             (100, 9000, 4096)])
 def test_amx_kernel_sliding_window(n, length, window):
     k, v, table = _cache(length, 3, 64, torch.bfloat16)
     q = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
