@@ -6,8 +6,8 @@ template applied by vLLM's tokenizer, `--tokens` new tokens (EOS ignored, so bot
   single : each prompt alone, tokens / wall seconds, TTFT from a 1-token request, CPU seconds per token
   c4, c32: the prompts x 1 and x 8 in one generate() call
 With --ngram K the engine speculates with prompt lookup (K tokens) and only `single` is measured.
-With --prefill N... only time to first token is measured: a fresh prompt of N random token ids (the same ids for
-every engine: a fixed seed), `max_tokens: 1`, prefix caching off, best of --reps. Prints one JSON line.
+With --prefill N... only time to first token is measured: a fresh prompt of N random token ids (from a fixed seed),
+`max_tokens: 1`, prefix caching off, best of --reps. Prints one JSON line.
 
     VLLM_PYTHON bench/peer_vllm.py --model HF_DIR --prompts-json FILE [--dtype bfloat16] [--ngram 4]
 """
@@ -31,11 +31,10 @@ def main() -> None:
     ap.add_argument("--ngram", type=int, default=0, help="prompt-lookup speculation with K tokens (0 = off)")
     ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths: time to first token only")
     a = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if a.prefill:
         print(json.dumps(prefill(a)), flush=True)
         return
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     prompts = json.load(open(a.prompts_json))

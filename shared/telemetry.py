@@ -283,14 +283,14 @@ def prefill_starting(seqs) -> None:
     """Marks when each traced sequence's prompt starts computing (its first prefill chunk)."""
     now = time.time_ns()
     for s in seqs:
-        if s.trace_ctx is not None and s.prefill_start_ns == 0 and s.num_computed_tokens < s.num_prompt_tokens:
+        if s.trace_ctx is not None and s.prefill_start_ns == 0 and s.in_prompt:
             s.prefill_start_ns = now
 
 
 def prefill_done(seqs) -> None:
     """Records a "prefill" span for each traced sequence whose prompt is now computed (all chunks, one span)."""
     for s in seqs:
-        if s.trace_ctx is not None and s.prefill_start_ns > 0 and s.num_computed_tokens >= s.num_prompt_tokens:
+        if s.trace_ctx is not None and s.prefill_start_ns > 0 and not s.in_prompt:
             span_between("prefill", s.trace_ctx, s.prefill_start_ns,
                          {"upesi.prompt_tokens": s.num_prompt_tokens, "upesi.cached_tokens": s.num_cached_tokens,
                           "upesi.choice": s.index})

@@ -24,11 +24,11 @@ from shared.engine.logits_processing import process_batch, rows_logprobs, token_
 from shared.engine.long_rope import LongRopeMixin
 from shared.engine.model_runner import ModelRunner, kv_cache_layout
 from shared.engine.offline import OfflineMixin
+from shared.engine.prefill_pacer import PrefillPacer
 from shared.engine.proposal import ProposerFactory
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
-from shared.engine.prefill_pacer import PrefillPacer
 from shared.engine.spec_guard import SpecGuard
 from shared.engine.structured import Guides
 from shared.engine.speculation import SpeculationMixin

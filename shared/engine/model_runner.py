@@ -120,7 +120,7 @@ class ModelRunner:
             max_query_len=max(batch.num_tokens),
             tree_masks=trees,
             long_rope=[s.long_rope for s in batch.seqs],
-            prompt_chunks=[s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs],
+            prompt_chunks=[s.in_prompt for s in batch.seqs],
         )
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                 meta, sample_rows, sample_seqs)

@@ -28,7 +28,7 @@ class ScheduledBatch:
 
     def prompt_split(self) -> tuple[int, int]:
         """(sequences past their prompt, prompt tokens) of the batch, read before the step runs."""
-        prompt = [n for s, n in zip(self.seqs, self.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens]
+        prompt = [n for s, n in zip(self.seqs, self.num_tokens) if s.in_prompt]
         return len(self.seqs) - len(prompt), sum(prompt)
 
     def __bool__(self) -> bool:
@@ -56,12 +56,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        decoding = sum(s.num_uncomputed for s in self.running if s.num_computed_tokens >= s.num_prompt_tokens)
-        paced = self.pacer.budget() if self.pacer is not None else None
-        if not decoding and not any(s.num_computed_tokens >= s.num_prompt_tokens for s in self.running):
+        past = [s for s in self.running if not s.in_prompt]
+        if not past:
             budget = max(budget, self.prefill_chunk_tokens)     # nothing decodes: prompts alone, longer chunks
-        elif paced is not None:
-            budget = min(budget, decoding + paced)
+        elif self.pacer is not None and (paced := self.pacer.budget()) is not None:
+            budget = min(budget, sum(s.num_uncomputed for s in past) + paced)
         decodes: list[Sequence] = []
         chunks: list[tuple[Sequence, int]] = []
         # 1. running sequences, oldest first; preempt from the newest end when blocks run out.

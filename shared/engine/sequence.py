@@ -93,5 +93,10 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def in_prompt(self) -> bool:
+        """Whether its prompt is not computed yet (its next rows are a prefill chunk)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED

@@ -53,14 +53,15 @@ def _amx_lib() -> ctypes.CDLL | None:
     return lib
 
 
-def amx_available() -> bool:
-    return _amx_lib() is not None
+def amx_available(head_dim: int) -> bool:
+    """Whether the AMX kernel runs here for bf16 heads of this size (a multiple of 64, up to 256)."""
+    return head_dim % 64 == 0 and head_dim <= 256 and _amx_lib() is not None
 
 
 def amx_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the AMX kernel takes these rows: bf16 on CPU, Dh a multiple of 64 up to 256, heads contiguous."""
-    return (q.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] % 64 == 0
-            and q.shape[-1] <= 256 and q.stride(2) == 1 and q.stride(1) == q.shape[-1] and _amx_lib() is not None)
+    """Whether the AMX kernel takes these rows: bf16 on CPU, heads contiguous, a head size it takes."""
+    return (q.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu" and q.stride(2) == 1
+            and q.stride(1) == q.shape[-1] and amx_available(q.shape[-1]))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
