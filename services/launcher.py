@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from services.launcher_commands import Child, hide_secrets, router_command
+from services.launcher_commands import Child, hide_secrets, router_command, with_store_key
 from services.launcher_commands import children as launch_children
 from services.serve_config import ServeConfig
 from shared.config import add_config_arguments, config_from_args
@@ -154,7 +154,7 @@ def _supervise(procs: list[subprocess.Popen], children: list[Child], env: dict[s
 
 
 def main(args: argparse.Namespace) -> None:
-    cfg = config_from_args(ServeConfig, args)
+    cfg = with_store_key(config_from_args(ServeConfig, args))
     # the services of this stack serve one another only: one token for them all, handed down in the environment
     # (never on a command line, where `ps` shows it); a value set beforehand is kept
     os.environ.setdefault(internal_token.ENV, secrets.token_hex(32))

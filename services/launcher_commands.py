@@ -3,8 +3,11 @@ service, targets, prefill targets) and the router, built from the serve config (
 supervises them)."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.serve_config import ServeConfig
 from shared.config import SECRET_OPTIONS, env_name
@@ -23,6 +26,24 @@ def hide_secrets(args: list[str]) -> tuple[list[str], dict[str, str]]:
         shown.append(args[i])
         i += 1
     return shown, secret
+
+
+def with_store_key(cfg: ServeConfig) -> ServeConfig:
+    """cfg with a KV store key where its targets keep blocks on disk or in Redis and none was given: the disk tier's
+    own (DIR/store.key, made once with mode 0600, so that a restarted stack reads its blocks again), else a new one
+    for this run (blocks in Redis from an earlier run are then recomputed)."""
+    if cfg.kv_store_key or not (cfg.kv_store or cfg.kv_disk_dir):
+        return cfg
+    key = secrets.token_hex(32)
+    if cfg.kv_disk_dir:
+        path = Path(cfg.kv_disk_dir) / "store.key"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(key)
+        except FileExistsError:
+            key = path.read_text().strip()
+    return dataclasses.replace(cfg, kv_store_key=key)
 
 
 def tls_args(cfg: ServeConfig, client: bool) -> list[str]:

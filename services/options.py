@@ -98,6 +98,13 @@ def kv_store() -> Any:
                         "reading is measured cheaper than computing (default: none)")
 
 
+def kv_store_key() -> Any:
+    return option(None, "secret that authenticates KV blocks on the disk tier and in Redis: each carries a keyed "
+                        "MAC, and one without a valid MAC is refused, counted (upesi_kv_store_forged_total) and "
+                        "recomputed. Give every target the same key; Redis must not hold it. `upesi serve` makes "
+                        "one when unset (kept in --kv-disk-dir/store.key when there is a disk tier)")
+
+
 def kv_store_gb() -> Any:
     return option(4.0, "size budget of the KV block store in GiB; past it the least recently used blocks go")
 

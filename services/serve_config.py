@@ -38,6 +38,7 @@ class ServeConfig:
     registry: str | None = option(None, "prefix-block registry shared by router and targets: redis://host:port/db")
     kv_cache_gb: float = option(1.0, "target KV cache size in GiB")
     kv_store: str | None = options.kv_store()
+    kv_store_key: str | None = options.kv_store_key()
     kv_store_gb: float = options.kv_store_gb()
     kv_store_ttl_s: float = options.kv_store_ttl_s()
     kv_host_gb: float = options.kv_host_gb()
@@ -159,6 +160,8 @@ class ServeConfig:
         if self.kv_store:
             out += ["--kv-store", self.kv_store, "--kv-store-gb", str(self.kv_store_gb),
                     "--kv-store-ttl-s", str(self.kv_store_ttl_s)]
+        if (self.kv_store or self.kv_disk_dir) and self.kv_store_key:
+            out += ["--kv-store-key", self.kv_store_key]
         if (self.kv_store or self.kv_disk_dir) and decode:
             out += ["--kv-store-write-policy", self.kv_store_write_policy,
                     "--kv-store-write-threshold", str(self.kv_store_write_threshold)]

@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 # options whose values are secrets (keys, or URLs that may carry a password): --help says whether one is set, never
 # what it is, and `upesi serve` hands them to its services in the environment, never on a command line
-SECRET_OPTIONS = frozenset({"api_key", "cache_secret", "kv_store", "registry"})
+SECRET_OPTIONS = frozenset({"api_key", "cache_secret", "kv_store", "kv_store_key", "registry"})
 
 
 def env_name(option: str) -> str:

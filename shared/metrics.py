@@ -32,6 +32,9 @@ KV_STORE_SKIPPED = Counter("upesi_kv_store_skipped_total",
                            "KV blocks computed instead of read because reading was measured to cost more")
 KV_STORE_INVALID = Counter("upesi_kv_store_invalid_total",
                            "Block store values refused (another model, dtype or layout, truncated, corrupted)")
+KV_STORE_FORGED = Counter("upesi_kv_store_forged_total",
+                          "Block store values refused because their MAC under the store key failed (also counted "
+                          "in upesi_kv_store_invalid_total)")
 KV_STORE_DROPPED = Counter("upesi_kv_store_dropped_total", "KV block writes dropped because the writer fell behind")
 KV_STORE_BYTES = Counter("upesi_kv_store_bytes_total", "KV block bytes: read from and written to the block store "
                          "(read, write), sent to and received from other targets (sent, received)", ["direction"])

@@ -49,6 +49,7 @@ class TargetConfig(options.TLS):
     progress: bool = option(True, "show a progress bar while loading")
     enable_prefix_caching: bool = option(True, "reuse computed KV blocks across requests with a common prefix")
     kv_store: str | None = options.kv_store()
+    kv_store_key: str | None = options.kv_store_key()
     kv_store_gb: float = options.kv_store_gb()
     kv_store_ttl_s: float = options.kv_store_ttl_s()
     kv_store_sync: bool = options.kv_store_sync()

@@ -40,6 +40,7 @@ class EngineConfig:
     kv_store_sync: bool = False           # each step waits until its blocks are written (prefill-only targets)
     kv_store_write_policy: str = "write_through"   # when blocks go to disk and Redis (WRITE_POLICIES)
     kv_store_write_threshold: int = 1     # write_through_selective: new requests matching a block before it is written
+    kv_store_key: str | None = None       # the secret that authenticates blocks on disk and in Redis (a keyed MAC)
     kv_host_gb: float = 0.0               # host-memory tier for blocks the KV cache evicts (0 = off)
     kv_disk_dir: str | None = None        # local-disk tier: a directory for every filled block (None = off)
     kv_disk_gb: float = 10.0              # its size budget (least recently used blocks go first)

@@ -80,7 +80,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         if cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir:
             self.kv_store = open_block_store(self.block_layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
                                              cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb,
-                                             cfg.kv_store_write_policy, cfg.kv_store_write_threshold)
+                                             cfg.kv_store_write_policy, cfg.kv_store_write_threshold,
+                                             cfg.kv_store_key)
         if self.kv_store is not None:
             self.block_manager.source = self.kv_store
             self.block_manager.track_evictions = self.kv_store.wants_evictions

@@ -9,9 +9,10 @@
                                                  is cheaper than computing (shared.kv.transfer_cost)
 
 The block hash already names the model and the request's cache salt (shared.kv.hashing), so tenants never share a
-block; each value also carries the model fingerprint, dtype, layout and a checksum (shared.kv.block_codec), and a
-value that fails any check is a miss. Writes never hold up a step: the engine thread hands over tensors it already
-copied out of the cache, and when the writer falls behind by more than `max_pending_bytes` new writes are dropped.
+block; each value also carries the model fingerprint, dtype, layout and a checksum (shared.kv.block_codec), a MAC
+under the store key where one is set, and a value that fails any check is a miss. Writes never hold up a step: the
+engine thread hands over tensors it already copied out of the cache, and when the writer falls behind by more than
+`max_pending_bytes` new writes are dropped.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from shared import metrics
-from shared.kv.block_codec import BlockData, BlockLayout, InvalidBlock, decode, encode
+from shared.kv.block_codec import BlockData, BlockLayout, InvalidBlock, decode, encode, store_mac_key
 from shared.kv.disk_tier import DiskTier
 from shared.kv.hashing import BlockHash
 from shared.kv.host_tier import HostTier
@@ -42,8 +43,9 @@ WRITER_NICE = 10              # the writer thread's nice value: encoding and sen
 class KVBlockStore:
     def __init__(self, layout: BlockLayout, *, host_bytes: int = 0, remote: RedisTier | None = None,
                  disk: DiskTier | None = None, max_pending_bytes: int = 256 << 20,
-                 write_policy: str = "write_through", write_threshold: int = 1) -> None:
+                 write_policy: str = "write_through", write_threshold: int = 1, key: bytes | None = None) -> None:
         self.layout = layout
+        self.key = key                             # the MAC key of every value on disk and in Redis (None: checksums)
         # when blocks go to disk and Redis: as they fill (write_through); as the cache evicts them, and at a clean
         # stop (write_back); as they are evicted or first reused from the cache (write_through_selective)
         self.write_policy = write_policy
@@ -135,9 +137,9 @@ class KVBlockStore:
             if value is None:
                 break
             try:
-                out.append(decode(h, self.layout, value))
+                out.append(decode(h, self.layout, value, self.key))
             except InvalidBlock as e:
-                metrics.KV_STORE_INVALID.inc()
+                _count_invalid(e)
                 log.warning("KV block file %s not used: %s", self.disk.path(h), e)
                 self.disk.drop(h)
                 break
@@ -158,9 +160,9 @@ class KVBlockStore:
         out = []
         for h, value in zip(hashes, values):
             try:
-                out.append(decode(h, self.layout, value))
+                out.append(decode(h, self.layout, value, self.key))
             except InvalidBlock as e:
-                metrics.KV_STORE_INVALID.inc()
+                _count_invalid(e)
                 log.warning("KV store value for block %016x not used: %s", h, e)
                 break
             self._remember(h)
@@ -271,7 +273,7 @@ class KVBlockStore:
             size = sum(b.nbytes for _, b in items)
             try:
                 for start in range(0, len(items), WRITE_BATCH):
-                    batch = [(h, encode(h, self.layout, b)) for h, b in items[start:start + WRITE_BATCH]]
+                    batch = [(h, encode(h, self.layout, b, self.key)) for h, b in items[start:start + WRITE_BATCH]]
                     if self.disk is not None:
                         self._write_disk(batch)
                     if self.remote is None:
@@ -291,15 +293,25 @@ class KVBlockStore:
                     self._pending_bytes -= size
 
 
+def _count_invalid(e: InvalidBlock) -> None:
+    metrics.KV_STORE_INVALID.inc()
+    if e.forged:
+        metrics.KV_STORE_FORGED.inc()
+
+
 def open_block_store(layout: BlockLayout, url: str | None, budget_gb: float, ttl_s: float, host_gb: float,
                      disk_dir: str | None = None, disk_gb: float = 10.0, write_policy: str = "write_through",
-                     write_threshold: int = 1) -> KVBlockStore | None:
+                     write_threshold: int = 1, key: str | None = None) -> KVBlockStore | None:
     """The store the settings ask for: a Redis tier when `url` is set, a host tier when host_gb > 0, a disk tier
     when disk_dir is set; None when none is. write_policy, write_threshold: when blocks go to disk and Redis
-    (KVBlockStore)."""
+    (KVBlockStore); key: the store key that authenticates every value on disk and in Redis."""
     if not url and host_gb <= 0 and not disk_dir:
         return None
+    if (url or disk_dir) and not key:
+        log.warning("KV blocks on disk and in Redis are checked, not authenticated: whoever can write there can "
+                    "change them; set --kv-store-key (the same on every target)")
     remote = RedisTier(url, budget_bytes=int(budget_gb * 2**30), ttl_s=ttl_s) if url else None
     disk = DiskTier(disk_dir, int(disk_gb * 2**30), layout.key_tag()) if disk_dir else None
     return KVBlockStore(layout, host_bytes=int(host_gb * 2**30), remote=remote, disk=disk,
-                        write_policy=write_policy, write_threshold=write_threshold)
+                        write_policy=write_policy, write_threshold=write_threshold,
+                        key=store_mac_key(key) if key else None)

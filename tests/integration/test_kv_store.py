@@ -11,6 +11,7 @@ import torch
 from shared import metrics
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.kv.block_codec import BlockData, decode, encode
 from shared.kv.hashing import cache_extra, hash_chain
 from shared.sampling_params import SamplingParams
 
@@ -135,6 +136,37 @@ def test_a_corrupted_entry_is_a_miss(tiny_llama_dir, redis_url):
     assert metrics.KV_STORE_INVALID._value.get() == invalid + 1
     a.close()
     b0.close()
+
+
+def test_a_forged_block_is_refused_counted_and_recomputed(tiny_llama_dir, redis_url):
+    """Whoever can write to Redis, without the store key: a block of K/V of their own, in the right layout and with
+    a recomputed checksum, or with a MAC under another key, is refused, counted, and the prefix computed again."""
+    ids = prompt(14)
+    a = make(tiny_llama_dir, redis_url, kv_store_key="store-key")
+    expect, _ = run(a, ids)
+    assert a.kv_store.flush()
+    store = a.kv_store
+    hashes = hash_chain(ids, BS, cache_extra(a.model_cfg.name))
+    key = store.remote.key(store.tag, hashes[3])                     # the 4th block: 3 stay genuine
+    r = redis.Redis.from_url(redis_url)
+    genuine = decode(hashes[3], store.layout, r.get(key), store.key)
+    steer = BlockData(torch.randn_like(genuine.kv.float()).to(genuine.kv.dtype), genuine.hidden)
+    for forged in (encode(hashes[3], store.layout, steer), encode(hashes[3], store.layout, steer, b"k" * 32)):
+        r.set(key, forged)
+        b = make(tiny_llama_dir, redis_url, kv_store_key="store-key")
+        refused = metrics.KV_STORE_FORGED._value.get()
+        got, cached = run(b, ids)
+        assert got == expect
+        assert cached == 3 * BS
+        assert metrics.KV_STORE_FORGED._value.get() == refused + 1
+        b.close()
+    # the same store key reads the genuine value back (the check is not a blanket refusal)
+    r.set(key, encode(hashes[3], store.layout, genuine, store.key))
+    c = make(tiny_llama_dir, redis_url, kv_store_key="store-key")
+    got, cached = run(c, ids)
+    assert got == expect and cached > 3 * BS
+    a.close()
+    c.close()
 
 
 def test_the_budget_evicts_least_recently_used(tiny_llama_dir, redis_url):

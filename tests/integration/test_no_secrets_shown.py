@@ -31,6 +31,9 @@ def test_a_running_stack_shows_no_secret(tmp_path, monkeypatch):
                 assert "pw-c0ffee-99" not in line and not any(v in line for v in SECRETS.values()), line
             env = psutil.Process(next(p.pid for p in procs if "router" in p.cmdline())).environ()
             assert env.get("UPESI_REGISTRY") == redis.url             # handed down in the environment instead
+            target = next(p for p in procs if " target " in f" {' '.join(p.cmdline())} ")
+            store_key = target.environ().get("UPESI_KV_STORE_KEY", "")   # made by `upesi serve` for its targets
+            assert len(store_key) == 64 and not any(store_key in line for line in lines)
         finally:
             assert stack.stop() == 0, stack.log.read_text()[-3000:]
         assert "pw-c0ffee-99" not in stack.log.read_text()

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from shared.kv.block_codec import BlockData, BlockLayout, InvalidBlock, decode, encode, model_fingerprint
+from shared.kv.block_codec import (BlockData, BlockLayout, InvalidBlock, decode, encode, model_fingerprint,
+                                   store_mac_key)
 from shared.kv.hashing import BlockHash
 from shared.kv.host_tier import HostTier
 from shared.kv.transfer_cost import TransferCost
@@ -93,3 +94,29 @@ def test_transfer_cost_reads_only_while_cheaper_than_computing():
     assert not slow.worth_reading(10)
     slow.observe_prefill(4, 100.0)                         # a decode step says nothing of a prefill
     assert not slow.worth_reading(10)
+
+
+def test_a_store_key_authenticates_every_value():
+    lay = layout()
+    b = block(lay, True)
+    key, other = store_mac_key("s3cret"), store_mac_key("another")
+    value = encode(H, lay, b, key)
+    assert torch.equal(decode(H, lay, value, key).kv, b.kv)
+    # whoever writes to the store without the key: a value with a recomputed plain checksum, or a MAC under
+    # another key, is refused as forged
+    for forged in (encode(H, lay, b), encode(H, lay, b, other)):
+        with pytest.raises(InvalidBlock) as e:
+            decode(H, lay, forged, key)
+        assert e.value.forged
+    flipped = bytearray(value)
+    flipped[len(value) // 2] ^= 0x01
+    with pytest.raises(InvalidBlock) as e:
+        decode(H, lay, bytes(flipped), key)
+    assert e.value.forged
+    with pytest.raises(InvalidBlock) as e:            # a reader without the key cannot check a MAC
+        decode(H, lay, value)
+    assert not e.value.forged
+
+
+def test_store_keys_differ_by_secret():
+    assert len(store_mac_key("a")) == 32 and store_mac_key("a") != store_mac_key("b")
