@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services import options
 from shared.config import option
+from shared.rpc.server import ConnectionLimits
 
 
 @dataclass(slots=True)
@@ -60,6 +61,18 @@ class RouterConfig(options.TLS):
     max_prompt_tokens: int = option(0, "longest prompt in tokens for every caller (0 = the context window)")
     max_output_tokens: int = option(0, "largest max_tokens for every caller; unset max_tokens is capped to it "
                                        "(0 = the context window)")
+    default_max_tokens: int = option(4096, "max_tokens of a request that sets none (within the caller's cap and "
+                                           "the context window), so that an unset field cannot take a replica "
+                                           "for the rest of the context; 0 = the rest of the context, as vLLM")
+    grpc_streams_per_connection: int = option(100, "gRPC port: streams one client connection may have open at once "
+                                                   "(more wait for one to end)")
+    grpc_max_calls: int = option(4096, "gRPC port: calls served at once over all connections; more are refused "
+                                       "with RESOURCE_EXHAUSTED")
+    grpc_idle_timeout_s: float = option(300.0, "gRPC port: a client connection without calls for this long is "
+                                               "closed (clients reconnect on their next call)")
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.grpc_streams_per_connection, self.grpc_max_calls, self.grpc_idle_timeout_s)
 
     def draft_addresses(self) -> list[str]:
         return [a.strip() for a in (self.draft or "").split(",") if a.strip()]
@@ -82,5 +95,9 @@ class RouterConfig(options.TLS):
         if self.max_request_bytes < 1024 or self.max_prompt_chars < 0:
             raise ValueError("max_request_bytes must be at least 1024 and max_prompt_chars >= 0 (0 = from the "
                              "context window)")
-        if self.max_prompt_tokens < 0 or self.max_output_tokens < 0:
-            raise ValueError("max_prompt_tokens and max_output_tokens must be >= 0 (0 = no limit of their own)")
+        if self.grpc_streams_per_connection < 1 or self.grpc_max_calls < 1 or self.grpc_idle_timeout_s <= 0:
+            raise ValueError("grpc_streams_per_connection and grpc_max_calls must be >= 1 and grpc_idle_timeout_s "
+                             "positive")
+        if self.max_prompt_tokens < 0 or self.max_output_tokens < 0 or self.default_max_tokens < 0:
+            raise ValueError("max_prompt_tokens, max_output_tokens and default_max_tokens must be >= 0 (0 = no "
+                             "limit of their own)")

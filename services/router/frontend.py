@@ -119,8 +119,10 @@ class Frontend:
                                  f"tokens (prompt plus output); shorten it by at least {len(ids) - limit + 1} tokens")
         caller.check(len(ids), inp.max_tokens, max(n, inp.beam_width or 0))   # beams cost as choices do
         room = limit - len(ids)
-        cap = caller.limits.max_tokens
-        max_tokens = (room if cap is None else min(room, cap)) if inp.max_tokens is None else inp.max_tokens
+        if inp.max_tokens is None:                   # the least of the room left, the caller's cap and the default
+            max_tokens = min(x for x in (room, caller.limits.max_tokens, self.cfg.default_max_tokens) if x)
+        else:
+            max_tokens = inp.max_tokens
         if max_tokens > room:
             raise InvalidRequest(f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceed the context "
                                  f"window of {limit}; ask for at most {room}")

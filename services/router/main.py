@@ -81,7 +81,7 @@ async def serve(cfg: RouterConfig) -> None:
 
     await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_start=on_start, on_drain=on_drain,
                      on_stop=on_stop, max_receive_bytes=cfg.max_request_bytes,
-                     internal=False)
+                     internal=False, limits=cfg.connection_limits())
 
 
 def main(args: argparse.Namespace) -> None:

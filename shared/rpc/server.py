@@ -17,7 +17,8 @@ from shared.rpc.channel import MAX_MESSAGE_BYTES, ServerTLS, message_options
 
 log = logging.getLogger("upesi.server")
 
-__all__ = ["MAX_MESSAGE_BYTES", "Service", "run_server", "server_options", "setup_logging"]
+__all__ = ["MAX_MESSAGE_BYTES", "ConnectionLimits", "Service", "create_server", "run_server", "server_options",
+           "setup_logging"]
 
 
 @dataclass(slots=True)
@@ -27,14 +28,36 @@ class Service:
     add_to_server: Callable[[object, grpc.aio.Server], None]
 
 
-def server_options(max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """Bounds on a public port's clients: the streams one connection may have open at once (HTTP/2's
+    SETTINGS_MAX_CONCURRENT_STREAMS; more wait), the calls the whole server runs at once (more are refused with
+    RESOURCE_EXHAUSTED), and the seconds a connection without calls stays open."""
+    streams_per_connection: int = 100
+    max_calls: int = 4096
+    idle_s: float = 300.0
+
+
+def server_options(max_receive_bytes: int | None = None,
+                   limits: ConnectionLimits | None = None) -> list[tuple[str, int]]:
     """Message sizes (a public port receives at most `max_receive_bytes`: larger messages are refused with
-    RESOURCE_EXHAUSTED before they are parsed), and clients' keepalive pings every 4 s or more are welcome
-    (channel.keepalive_options)."""
+    RESOURCE_EXHAUSTED before they are parsed), clients' keepalive pings every 4 s or more are welcome
+    (channel.keepalive_options), and a public port's connection limits."""
     sizes = [(k, max_receive_bytes if max_receive_bytes and k.endswith("receive_message_length") else v)
              for k, v in message_options()]
-    return sizes + [("grpc.keepalive_permit_without_calls", 1),
-                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000)]
+    out = sizes + [("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000)]
+    if limits is not None:
+        out += [("grpc.max_concurrent_streams", limits.streams_per_connection),
+                ("grpc.max_connection_idle_ms", int(limits.idle_s * 1000))]
+    return out
+
+
+def create_server(max_receive_bytes: int | None = None, limits: ConnectionLimits | None = None,
+                  interceptors: list | None = None) -> grpc.aio.Server:
+    """An aio server with the options above; `limits` also caps the calls it runs at once."""
+    return grpc.aio.server(options=server_options(max_receive_bytes, limits), interceptors=interceptors or None,
+                           maximum_concurrent_rpcs=limits.max_calls if limits else None)
 
 
 def _loopback(address: str) -> bool:
@@ -47,17 +70,19 @@ async def run_server(address: str, services: list[Service], *, grace_s: float = 
                      on_start: Callable[[], Awaitable[None]] | None = None,
                      on_drain: Callable[[], None] | None = None,
                      on_stop: Callable[[], Awaitable[None]] | None = None,
-                     max_receive_bytes: int | None = None, internal: bool = True) -> None:
+                     max_receive_bytes: int | None = None, internal: bool = True,
+                     limits: ConnectionLimits | None = None) -> None:
     """Serves until SIGTERM or SIGINT, then reports NOT_SERVING, lets in-flight calls finish and stops.
 
     With `tls` the port serves TLS (mTLS when it names a client CA). Each call gets a SERVER span when tracing is
     on (telemetry.setup_tracing, called by the service before this). An `internal` service (every one but the
-    router) refuses callers without the deployment's token when it has one (shared.rpc.internal_token)."""
+    router) refuses callers without the deployment's token when it has one (shared.rpc.internal_token); a public
+    port takes `limits` on its clients' connections."""
     interceptors = (internal_token.server_interceptors() if internal else []) + telemetry.server_interceptors()
     if internal and not internal_token.token() and not _loopback(address):
         log.warning("%s is reachable beyond this host and no %s is set: any caller that reaches it is served",
                     address, internal_token.ENV)
-    server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors or None)
+    server = create_server(max_receive_bytes, limits, interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for s in services:

@@ -94,3 +94,19 @@ def test_a_real_client_marks_an_unreachable_replica_down():
         return client
 
     assert not asyncio.run(go()).up
+
+
+def test_an_unset_max_tokens_gets_the_default_within_the_callers_cap_and_the_context():
+    from services.router.limits import Caller, Limits
+
+    def given(inp: GenerationInput, caller_cap: int | None = None, **cfg) -> int:
+        return frontend([FakeTarget("a")], **cfg).prepare(inp, Caller("c", Limits(None, caller_cap, 4)))[1].max_tokens
+
+    room = 1024 - len(tokenizer().encode("Hello"))                      # the stand-in context window is 1,024
+    assert given(GenerationInput(prompt="Hello"), default_max_tokens=100) == 100
+    assert given(GenerationInput(prompt="Hello"), caller_cap=50, default_max_tokens=100) == 50
+    assert given(GenerationInput(prompt="Hello"), default_max_tokens=5000) == room
+    assert given(GenerationInput(prompt="Hello"), default_max_tokens=0) == room         # 0: the rest, as vLLM
+    assert given(GenerationInput(prompt="Hello", max_tokens=700), default_max_tokens=100) == 700
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        RouterConfig(default_max_tokens=-1)
