@@ -9,6 +9,12 @@ A shard that fails (UNAVAILABLE, or its deadline passes) is avoided for `retry_a
 other shards when every unit has one, else the step fails with PeerUnavailable (UNAVAILABLE to the client). gRPC
 channels reconnect by themselves, so a shard that comes back serves again.
 
+A frozen shard (stopped, swapping, hung) answers nothing, so waiting for the call's deadline would hold every step
+for `timeout_s`. Each shard's calls are timed (seconds per row, a moving average); a call that takes STALL_FACTOR
+times its expected time (at least STALL_FLOOR_S) is stalled. Where its slots have replicas the shard is failed over
+at once; where they have none the shard's health service is asked (PROBE_S): a shard that answers is only slow and
+the call is awaited to its deadline, one that does not is failed fast, and the step with it.
+
 Shapes: T = tokens in the step, k = units per token, D = hidden, L = layers, E = units of a layer.
 """
 from __future__ import annotations
@@ -21,6 +27,7 @@ from functools import partial
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 from torch import nn
@@ -39,7 +46,28 @@ RPCS = Counter("upesi_expert_rpcs_total", "Dispatch RPCs sent to expert shards",
 RPC_SECONDS = Histogram("upesi_expert_rpc_seconds", "Dispatch RPC latency, send to reply", ["shard"],
                         buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
 WIRE_BYTES = Counter("upesi_expert_wire_bytes_total", "Dispatch message bytes", ["direction"])
+STALLS = Counter("upesi_expert_stalls_total", "Dispatch RPCs given up on before their deadline: the shard took far "
+                 "longer than its measured time and had a replica, or did not answer its health check", ["shard"])
 _FAILOVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+STALL_FACTOR = 10.0       # a call this many times its expected time is stalled ...
+STALL_FLOOR_S = 0.1       # ... and at least this long
+PROBE_S = 1.0             # the health check of a stalled shard whose slots have no replica
+_ROW_PAD = 32             # a call's cost in rows: its rows plus this (the fixed part of a call)
+_EWMA = 0.1
+
+
+class _Stalled(grpc.RpcError):
+    """A call given up on before its deadline (as the failed calls' errors: code() and details())."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self.why
 
 
 def _pb(t: torch.Tensor) -> experts_pb2.Tensor:
@@ -62,6 +90,8 @@ class ExpertsClient:
         # (every channel reconnects within 0.2-2 s: shared.rpc.channel.reconnect_options)
         self.channels = [sync_channel(a, trace=False) for a in addresses]
         self.stubs = [experts_pb2_grpc.ExpertsStub(ch) for ch in self.channels]
+        self.health = [health_pb2_grpc.HealthStub(ch) for ch in self.channels]
+        self._per_row: list[float | None] = [None] * len(addresses)     # seconds per padded row, moving average
         n, layers = placement.num_shards, len(dense_layers)
         self.num_rpcs = 0                                          # Dispatch calls sent, every shard and attempt
         self.rpcs_per_shard = [0] * n
@@ -165,25 +195,26 @@ class ExpertsClient:
                 layer=layer, hidden=_pb(x if whole else x[ss.rows]), expert_ids=_pb(flat_ids[ss.slots]),
                 weights=None if flat_w is None else _pb(flat_w[ss.slots]),
                 token_index=None if ss.one_row_per_slot else _pb(ss.slot_rows.to(torch.int32)))
+            t0 = time.perf_counter()
             fut = self.stubs[s].Dispatch.future(req, timeout=self.timeout_s, metadata=md)
-            fut.add_done_callback(partial(_observe, self._seconds[s], time.perf_counter()))
+            fut.add_done_callback(partial(_observe, self._seconds[s], t0))
             self.num_rpcs += 1
             self.rpcs_per_shard[s] += 1
             size = req.ByteSize()
             self.bytes_sent += size
             self._sent.inc(size)
-            calls.append((s, ss, fut))
+            calls.append((s, ss, fut, t0))
         parts, failed = [], {}
-        for s, ss, fut in calls:
+        for s, ss, fut, t0 in calls:
             try:
-                resp = fut.result()
+                resp = self._result(layer, s, flat_ids[ss.slots], ss.rows.numel(), fut, t0)
             except grpc.RpcError as e:
-                RPCS.labels(str(s), e.code().name).inc()
+                RPCS.labels(str(s), "STALLED" if isinstance(e, _Stalled) else e.code().name).inc()
                 if e.code() not in _FAILOVER:
                     raise PeerUnavailable(f"expert shard {s} at {self.addresses[s]} failed layer {layer}: "
                                           f"{e.code().name}: {e.details()}") from None
-                log.warning("expert shard %d at %s: %s; avoiding it for %.1f s", s, self.addresses[s],
-                            e.code().name, self.retry_after_s)
+                log.warning("expert shard %d at %s: %s (%s); avoiding it for %.1f s", s, self.addresses[s],
+                            e.code().name, e.details(), self.retry_after_s)
                 self._down_until[s] = time.monotonic() + self.retry_after_s
                 failed[s] = e
                 continue
@@ -194,6 +225,42 @@ class ExpertsClient:
             o = resp.output
             parts.append((ss.rows, tensor_codec.decode(o.dtype, list(o.shape), o.data)))
         return parts, failed
+
+    def _result(self, layer: int, s: int, units: torch.Tensor, rows: int, fut, t0: float):
+        """A Dispatch's reply; a call past its stall time (module doc) is given up on (_Stalled) where its units have
+        replicas or the shard does not answer its health check, else awaited to its deadline."""
+        est = self._per_row[s]
+        if est is not None:
+            stall = max(STALL_FLOOR_S, STALL_FACTOR * est * (rows + _ROW_PAD))
+            if stall < self.timeout_s:
+                try:
+                    return self._timed(s, fut, rows, t0, stall - (time.perf_counter() - t0))
+                except grpc.FutureTimeoutError:
+                    if self._replicated(layer, s, units) or not self._answers(s):
+                        fut.cancel()
+                        STALLS.labels(str(s)).inc()
+                        raise _Stalled(f"no reply in {time.perf_counter() - t0:.2f} s where "
+                                       f"{est * (rows + _ROW_PAD):.3f} s was expected") from None
+        return self._timed(s, fut, rows, t0, None)
+
+    def _timed(self, s: int, fut, rows: int, t0: float, timeout: float | None):
+        resp = fut.result(timeout=None if timeout is None else max(0.0, timeout))
+        per_row = (time.perf_counter() - t0) / (rows + _ROW_PAD)
+        old = self._per_row[s]
+        self._per_row[s] = per_row if old is None else old + _EWMA * (per_row - old)
+        return resp
+
+    def _replicated(self, layer: int, s: int, units: torch.Tensor) -> bool:
+        """Whether every unit of a call to shard s has a replica on a shard that is not avoided."""
+        table, avoid = self.placement.table(layer, self.dense_layers[layer]), self._avoid() | {s}
+        return all(not set(table[u]) <= avoid for u in torch.unique(units.long()).tolist())
+
+    def _answers(self, s: int) -> bool:
+        try:
+            self.health[s].Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S)
+            return True
+        except grpc.RpcError:
+            return False
 
     def _plan(self, layer: int, dense: bool, ids: torch.Tensor) -> dict:
         avoid = self._avoid()
