@@ -12,8 +12,10 @@ Writes go through one Lua script per batch (SET PX, then evict the least recentl
 the budget), so the budget holds with many writers. Reads are pipelined MGETs in chunks, stopping at the first chunk
 with a missing value. Values that expired by TTL stay counted until they reach the head of the LRU order.
 
-An unreachable or failing Redis is a miss (reads) or a dropped write: the outage is logged once and for
-`retry_after_s` no call touches the network, so serving never waits on a dead store.
+An unreachable, failing or frozen Redis is a miss (reads) or a dropped write. Reads run on the engine thread, so
+they get their own connection with a short socket timeout (`read_timeout_s`): a store that stops answering holds a
+step once, for that long. From then on no read or write touches the network; a background thread pings the store
+every `retry_after_s` and lets them through again once it answers, so serving never waits on a dead store.
 """
 from __future__ import annotations
 
@@ -61,19 +63,21 @@ return evicted
 
 class RedisTier:
     def __init__(self, url: str, *, budget_bytes: int, ttl_s: float, prefix: str = "upesi:kv",
-                 timeout_s: float = 2.0, retry_after_s: float = 5.0) -> None:
+                 timeout_s: float = 2.0, read_timeout_s: float = 0.5, retry_after_s: float = 5.0) -> None:
         if budget_bytes <= 0 or ttl_s <= 0:
             raise ValueError(f"the Redis KV store needs a positive budget and TTL, got {budget_bytes} B, {ttl_s} s")
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                            retry=Retry(NoBackoff(), 1))
+        self._reader = redis.Redis.from_url(url, socket_timeout=read_timeout_s,           # the engine thread's
+                                            socket_connect_timeout=read_timeout_s, retry=Retry(NoBackoff(), 0))
         kw = self._redis.connection_pool.connection_kwargs
         self.where = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
         self.budget_bytes, self.ttl_ms = budget_bytes, max(1, round(ttl_s * 1000))
         self.prefix = prefix
         self._put = self._redis.register_script(_PUT)
         self._retry_after_s = retry_after_s
-        self._down_until = 0.0
         self._down = False
+        self._closed = threading.Event()
         self._lock = threading.Lock()
         self.evicted = 0                      # values this process's writes pushed out of the budget
 
@@ -84,21 +88,27 @@ class RedisTier:
         return f"{self.prefix}:lru", f"{self.prefix}:sizes", f"{self.prefix}:bytes"
 
     def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return not self._down
 
     def _failed(self, e: Exception) -> None:
         with self._lock:
-            self._down_until = time.monotonic() + self._retry_after_s
             first, self._down = not self._down, True
         if first:
-            log.warning("KV store at %s is unreachable or failing (%s: %s); computing blocks instead until it "
-                        "recovers", self.where, type(e).__name__, e)
+            log.warning("KV store at %s is unreachable, failing or not answering (%s: %s); computing blocks "
+                        "instead until it answers again", self.where, type(e).__name__, e)
+            threading.Thread(target=self._probe, name="kv-store-probe", daemon=True).start()
 
-    def _ok(self) -> None:
-        if self._down:
+    def _probe(self) -> None:
+        """While the store is down: a PING every retry_after_s, off the engine thread; the first answer ends it."""
+        while not self._closed.wait(self._retry_after_s):
+            try:
+                self._redis.ping()
+            except redis.RedisError:
+                continue
             with self._lock:
                 self._down = False
             log.info("KV store at %s is reachable again", self.where)
+            return
 
     def get_leading(self, tag: str, hashes: Sequence[BlockHash]) -> list[bytes]:
         """The values of the longest run of `hashes` from the first that the store holds (each read renews its TTL
@@ -110,7 +120,7 @@ class RedisTier:
         try:
             for start in range(0, len(hashes), READ_CHUNK):
                 keys = [self.key(tag, h) for h in hashes[start:start + READ_CHUNK]]
-                values = self._redis.mget(keys)
+                values = self._reader.mget(keys)
                 found = 0
                 for v in values:
                     if v is None:
@@ -119,7 +129,7 @@ class RedisTier:
                     found += 1
                 if found:
                     now = int(time.time() * 1000)
-                    pipe = self._redis.pipeline(transaction=False)
+                    pipe = self._reader.pipeline(transaction=False)
                     pipe.zadd(lru, {k: now for k in keys[:found]}, xx=True)
                     for k in keys[:found]:
                         pipe.pexpire(k, self.ttl_ms)
@@ -128,8 +138,6 @@ class RedisTier:
                     break
         except redis.RedisError as e:
             self._failed(e)
-            return out
-        self._ok()
         return out
 
     def put(self, tag: str, items: Sequence[tuple[BlockHash, bytes]]) -> bool:
@@ -143,8 +151,9 @@ class RedisTier:
         except redis.RedisError as e:
             self._failed(e)
             return False
-        self._ok()
         return True
 
     def close(self) -> None:
+        self._closed.set()
         self._redis.close()
+        self._reader.close()

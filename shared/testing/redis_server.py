@@ -43,6 +43,10 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -4,6 +4,10 @@ costs recomputation, and blocks sent directly to another engine's host tier (P/D
 Engines run in process on a tiny Llama checkpoint in fp32."""
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import redis
 import torch
@@ -198,6 +202,38 @@ def test_a_dead_store_only_costs_recomputation(tiny_llama_dir, redis_server):
     got, cached = run(b, ids)
     assert got == expect and cached == 0
     assert b.kv_store.flush()                     # the failed writes did not wedge the writer
+    a.close()
+    b.close()
+
+
+def test_a_frozen_store_holds_one_lookup_once_and_is_read_again_when_it_answers(tiny_llama_dir, redis_server):
+    """Redis stopped (SIGSTOP) answers nothing: one lookup waits its short read timeout, then no lookup touches the
+    network while a background ping goes unanswered; once thawed the store is read again."""
+    ids = prompt(15)
+    a = make(tiny_llama_dir, redis_server.url)
+    expect, _ = run(a, ids)
+    assert a.kv_store.flush()
+    b = make(tiny_llama_dir, redis_server.url)
+    tier = b.kv_store.remote
+    tier._retry_after_s = 0.2
+    reads = []
+    mget = tier._reader.mget
+    tier._reader.mget = lambda keys: reads.append(len(keys)) or mget(keys)
+    os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        got, cached = run(b, ids)
+        assert got == expect and cached == 0 and len(reads) == 1       # the one read that timed out
+        assert not tier._available()
+        run(b, prompt(16))                                              # another prefix: no read tried
+        assert len(reads) == 1
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+    for _ in range(100):                                                # the probe's PING is answered
+        if tier._available():
+            break
+        time.sleep(0.1)
+    hashes = hash_chain(ids, BS, cache_extra(a.model_cfg.name))
+    assert len(tier.get_leading(b.kv_store.tag, hashes)) == len(ids) // BS           # every prompt block
     a.close()
     b.close()
 
