@@ -2,8 +2,9 @@
 
 `generate` asks the draft to run the request with a named target (the draft drives the Verify stream, see
 protos/upesi/v1/draft.proto). If the draft fails (UNAVAILABLE: it died, or cannot reach the target; or
-PERMISSION_DENIED: the target is not on its --targets; or stalls: no answer for `stall_s` once answers flow,
-`first_stall_s` before the first, as when it is frozen), the router attaches to the request on the target itself,
+PERMISSION_DENIED: the target is not on its --targets; or stalls: nothing for PROBE_AFTER_S and its health check
+unanswered within PROBE_S, as when it is frozen; or, answering, nothing for `stall_s` once answers flow,
+`first_stall_s` before the first), the router attaches to the request on the target itself,
 which has been going on without speculation; the target replays the request's output from its first token, and the
 tokens the client already has are skipped. The client sees one uninterrupted stream. If the target does not run the
 request (the draft never opened it), it starts there afresh when the client has nothing yet, and fails with
@@ -14,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.router.target_client import StepOutput, TargetClient, read_steps, target_request
 from shared.errors import PeerUnavailable
@@ -27,20 +29,36 @@ from upesi.v1 import draft_pb2, draft_pb2_grpc
 log = logging.getLogger("upesi.router.draft")
 
 
+PROBE_AFTER_S = 0.5       # a stream silent this long has its draft's health checked (and again as often) ...
+PROBE_S = 0.5             # ... which must answer within this
+
+
 class Stalled(Exception):
-    """The draft sent nothing for longer than the stall limit."""
+    """The draft sent nothing for longer than the stall limit, or went silent and did not answer its health check."""
 
 
-async def _unstalled(steps: AsyncIterator[StepOutput], first_s: float, next_s: float) -> AsyncIterator[StepOutput]:
-    """steps, raising Stalled when the first does not come within first_s or a later one within next_s."""
+async def _unstalled(steps: AsyncIterator[StepOutput], first_s: float, next_s: float,
+                     alive: Callable[[], Awaitable[bool]]) -> AsyncIterator[StepOutput]:
+    """steps, raising Stalled when the first does not come within first_s or a later one within next_s, or when
+    `alive()` says no after PROBE_AFTER_S of silence (then every PROBE_AFTER_S)."""
     limit = first_s
     while True:
+        nxt = asyncio.ensure_future(anext(steps))
+        waited = 0.0
         try:
-            out = await asyncio.wait_for(anext(steps), limit)
+            while not nxt.done():
+                wait = min(PROBE_AFTER_S, limit - waited)
+                await asyncio.wait({nxt}, timeout=wait)
+                waited += wait
+                if not nxt.done() and (waited >= limit or not await alive()):
+                    raise Stalled
+            out = nxt.result()
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
-            raise Stalled from None
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+                await asyncio.wait({nxt})             # the stream's generator is free again for aclose()
         limit = next_s
         yield out
 
@@ -52,6 +70,7 @@ class DraftClient:
         self.stall_s, self.first_stall_s = stall_s, first_stall_s
         self.channel = aio_channel(address, options=keepalive_options())
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
         self.in_flight = 0
         self.down_until = 0.0                 # after a failure, requests skip this draft for retry_after_s
 
@@ -69,7 +88,7 @@ class DraftClient:
                 target=target.address, request=target_request(request_id, prompt, params)), timeout=timeout)
             steps = read_steps(call, params.n)
             try:
-                async for out in _unstalled(steps, self.first_stall_s, self.stall_s):
+                async for out in _unstalled(steps, self.first_stall_s, self.stall_s, self.alive):
                     for index, tokens, *_ in out.deltas:
                         have[index] = have.get(index, 0) + len(tokens)
                     yield out
@@ -78,8 +97,8 @@ class DraftClient:
             return
         except Stalled:
             self.down_until = time.monotonic() + self.retry_after_s
-            log.warning("draft %s sent nothing for %.0f s (frozen?); %s goes on with target %s alone", self.address,
-                        self.stall_s if any(have.values()) else self.first_stall_s, request_id, target.address)
+            log.warning("draft %s went silent (frozen?); %s goes on with target %s alone", self.address,
+                        request_id, target.address)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.PERMISSION_DENIED:       # not one of the draft's --targets
                 log.warning("draft %s refuses target %s (%s); %s runs there without speculation", self.address,
@@ -104,6 +123,14 @@ class DraftClient:
                                       "runs the request; retry it") from None
             async for out in target.generate(request_id, prompt, params, left):
                 yield out
+
+    async def alive(self) -> bool:
+        """Whether the draft answers its health check within PROBE_S."""
+        try:
+            await self.health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
 
     @staticmethod
     async def _attach(target: TargetClient, request_id: str, prompt: list[int], params: SamplingParams,

@@ -74,10 +74,11 @@ class TargetConfig(options.TLS):
                                          "an EAGLE draft service first connects still gives its head the prompt's "
                                          "features (otherwise kept from that moment on). `upesi serve --draft "
                                          "eagle:DIR` turns it on")
-    draft_timeout_s: float = option(5.0, "how long an engine step waits for a draft service's proposals on its "
+    draft_timeout_s: float = option(5.0, "the longest an engine step waits for a draft service's proposals on its "
                                          "Verify stream (a draft's first proposals may take seconds to warm up); "
-                                         "past it those requests decode without drafts, and no step waits, until "
-                                         "the draft answers")
+                                         "once its answers are measured, a step waits 10x their usual time (at "
+                                         "least 0.2 s). Past it those requests decode without drafts, and no step "
+                                         "waits, until the draft answers")
     registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (default: none)")
     replica_id: str | None = option(None, "this replica's name in the registry (default: its address)")
     expert_shards: str | None = option(None, "expert shard addresses, comma-separated in shard order: every layer's "

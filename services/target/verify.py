@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,10 @@ from upesi.v1 import target_pb2
 log = logging.getLogger("upesi.target.verify")
 
 ORPHAN_S = 30.0          # how long the requests of a broken stream wait for a caller to attach
+# A step waits for proposals at most WAIT_FACTOR times the draft's usual answer time (a moving average), and at least
+# WAIT_FLOOR_S, once MEASURED answers have come (before that, the stream's whole timeout): a frozen draft then holds
+# the engine thread, and every request on it, once and briefly
+WAIT_FACTOR, WAIT_FLOOR_S, MEASURED = 10.0, 0.2, 3
 
 
 class StreamProposer:
@@ -54,6 +59,8 @@ class StreamProposer:
         self.hidden: dict[int, tuple[int, list[torch.Tensor]]] = {}   # seq_id -> (first position, [M, D] pieces)
         self.step = 0
         self.waiting: tuple[int, concurrent.futures.Future] | None = None
+        self.answer_s: float | None = None        # the draft's answer time, moving average
+        self.answers = 0
 
     def _send(self, msg: target_pb2.VerifyDown) -> None:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, msg)
@@ -85,20 +92,33 @@ class StreamProposer:
             self.waiting = None
             return lambda: none
         self._send(target_pb2.VerifyDown(propose=req, step=self.step, traceparent=telemetry.traceparent()))
-        return lambda: self._receive(seqs, ks, fut)
+        t0 = time.perf_counter()
+        return lambda: self._receive(seqs, ks, fut, t0)
 
-    def _receive(self, seqs: list[Sequence], ks: list[int], fut: concurrent.futures.Future) -> list[Proposal]:
+    def wait_s(self) -> float:
+        """How long a step waits for the draft's proposals (module constants)."""
+        if self.answers < MEASURED or self.answer_s is None:
+            return self.timeout_s
+        return min(self.timeout_s, max(WAIT_FLOOR_S, WAIT_FACTOR * self.answer_s))
+
+    def _receive(self, seqs: list[Sequence], ks: list[int], fut: concurrent.futures.Future,
+                 t0: float) -> list[Proposal]:
         none: list[Proposal] = [NO_PROPOSAL] * len(seqs)
+        wait = self.wait_s()
         try:
-            resp: target_pb2.ProposeResponse | None = fut.result(timeout=self.timeout_s)
+            resp: target_pb2.ProposeResponse | None = fut.result(timeout=max(0.0, wait - (time.perf_counter() - t0)))
         except concurrent.futures.TimeoutError:
             resp = None
         finally:
             self.waiting = None
+        if resp is not None:
+            took = time.perf_counter() - t0
+            self.answers += 1
+            self.answer_s = took if self.answer_s is None else self.answer_s + 0.1 * (took - self.answer_s)
         if resp is None or len(resp.proposals) != len(seqs):
             if self.alive:
-                log.warning("the draft did not answer step %d in %.1f s; decoding without it until it does",
-                            self.step, self.timeout_s)
+                log.warning("the draft did not answer step %d in %.2f s; decoding without it until it does",
+                            self.step, wait)
                 self.unanswered = self.step
             self.sent.clear()                     # re-send whole sequences when it answers again
             self.hidden.clear()

@@ -31,14 +31,19 @@ def test_a_frozen_draft_costs_a_stall_not_the_request(spec_stack):
         stub = generation_pb2_grpc.GenerationStub(ch)
         plain = stub.Generate(request(0), timeout=300).choices[0]
         try:
-            ids, frozen = [], False
+            ids, frozen, gaps, last = [], False, [], 0.0
             for msg in stub.GenerateStream(request(4), timeout=300):
+                now = time.perf_counter()
+                if frozen:
+                    gaps.append(now - last)
+                last = now
                 for c in msg.choices:
                     ids += c.token_ids
                 if len(ids) >= 20 and not frozen:
                     os.kill(draft.pid, signal.SIGSTOP)
                     frozen = True
             assert frozen and ids == list(plain.token_ids)          # handed over: no gap, no repeat
+            print(f"longest wait for output after the freeze: {max(gaps):.2f} s")
             while_frozen = stub.Generate(request(4, 40), timeout=300)
             assert list(while_frozen.choices[0].token_ids) == list(plain.token_ids[:40])
         finally:
