@@ -23,6 +23,7 @@ class SamplingParams:
     beam_width: int = 0               # > 1: beam search (greedy over the beams' cumulative log-probability)
     num_speculative_tokens: int | None = None   # K for this request (0 = off, None = the deployment default)
     cache_salt: str = ""              # part of every block hash: requests with different salts never share KV
+    tenant: str = ""                  # who sent it ("" = anonymous): waiting requests are admitted fairly by tenant
     # logits processing (shared/engine/logits_processing.py), vLLM's semantics
     presence_penalty: float = 0.0     # [-2, 2]: minus this for every token already in the output
     frequency_penalty: float = 0.0    # [-2, 2]: minus this times the token's count in the output

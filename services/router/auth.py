@@ -19,7 +19,9 @@ health and reflection services and HTTP /health and /metrics stay open (probes a
       - key: sk-bob-9876543210
 
 Each limit is the strictest of the router's flags, the file's defaults and the key's own field; a key given with
---api-key (better: UPESI_API_KEY, which `ps` does not show) has the router's flags only. Keys are compared as SHA-256
+--api-key (better: UPESI_API_KEY, which `ps` does not show) has the router's flags only. With two keys or more, no
+key may hold more than half of --max-concurrent-requests at once, so one key's flood leaves the router room for the
+others (whose requests the targets then admit fairly: shared/engine/scheduler.py). Keys are compared as SHA-256
 digests with hmac.compare_digest, against every configured key, so the time taken tells nothing about them.
 
 Each key has its own partition of the prefix cache: its requests' blocks are hashed with HMAC-SHA256(secret, the
@@ -95,6 +97,10 @@ class KeyTable:
             keys.append((cfg.api_key, Caller("api-key", base)))
         if cfg.api_keys_file and not keys:
             raise ValueError(f"{cfg.api_keys_file} lists no keys; remove the option to serve without keys")
+        if len(keys) > 1:
+            share = Limits(max_concurrent_requests=max(1, cfg.max_concurrent_requests // 2))
+            for _, caller in keys:
+                caller.limits = caller.limits.tightened(share)
         return cls(keys, base, cfg.cache_secret)
 
     @property

@@ -137,7 +137,7 @@ class Frontend:
                                 min_p=inp.min_p or 0.0, logit_bias=dict(inp.logit_bias),
                                 min_tokens=inp.min_tokens or 0, stop_token_ids=list(inp.stop_token_ids),
                                 logprobs=inp.logprobs, guide_kind=inp.guide_kind, guide=inp.guide,
-                                prompt_logprobs=inp.prompt_logprobs)
+                                prompt_logprobs=inp.prompt_logprobs, tenant=caller.name)
         vocab = self.info.vocab_size
         for name, toks in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if toks and max(toks) >= vocab:

@@ -117,7 +117,8 @@ def target_request(request_id: str, prompt: list[int], params: SamplingParams) -
                                            repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                                            logit_bias=params.logit_bias, min_tokens=params.min_tokens,
                                            logprobs=params.logprobs, guide_kind=params.guide_kind,
-                                           guide=params.guide, prompt_logprobs=params.prompt_logprobs))
+                                           guide=params.guide, prompt_logprobs=params.prompt_logprobs,
+                                           tenant=params.tenant))
 
 
 def _logprobs(lps) -> list[Logprob]:

@@ -8,6 +8,10 @@ share steps with the decodes), and prefill_chunk_tokens while every running sequ
 decodes are as many as it measures affordable. Sequences join and leave between steps. When a
 decoding sequence needs a block and none is free, the newest running sequence is preempted (its blocks
 freed, recomputed later from its tokens).
+
+Waiting sequences are admitted first come, first served within a tenant (SamplingParams.tenant: an API key), and
+across tenants the one with the fewest running sequences goes first: one tenant's flood queues behind itself, not in
+front of another tenant's request.
 """
 from __future__ import annotations
 
@@ -90,12 +94,19 @@ class Scheduler:
                 i += 1
                 continue
             break
-        # 2. admit waiting sequences while there is room.
+        # 2. admit waiting sequences while there is room, fairly across tenants.
+        counts: dict[str, int] | None = None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            if counts is None:
+                counts = {}
+                for s in self.running:
+                    counts[s.params.tenant] = counts.get(s.params.tenant, 0) + 1
+            i = self._pick(counts)
+            seq = self.waiting[i]
             if not self.blocks.can_allocate(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            counts[seq.params.tenant] = counts.get(seq.params.tenant, 0) + 1
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -104,6 +115,24 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(decodes + [s for s, _ in chunks], [1] * len(decodes) + [n for _, n in chunks],
                               len(decodes))
+
+    def _pick(self, running: dict[str, int]) -> int:
+        """The index in `waiting` of the next sequence to admit: each tenant's first waiting sequence is a candidate;
+        the one whose tenant runs the fewest sequences wins, the earliest on ties."""
+        best_i, best = 0, running.get(self.waiting[0].params.tenant, 0)
+        if best == 0 or len(self.waiting) == 1:
+            return 0
+        seen = {self.waiting[0].params.tenant}
+        for i, s in enumerate(self.waiting):
+            t = s.params.tenant
+            if t in seen:
+                continue
+            seen.add(t)
+            if running.get(t, 0) < best:
+                best_i, best = i, running.get(t, 0)
+                if best == 0:
+                    break
+        return best_i
 
     def start(self, seq: Sequence) -> None:
         """Puts a sequence that already holds its blocks (a fork) straight into the running batch."""

@@ -40,6 +40,15 @@ def test_keys_file_limits_are_the_strictest_of_flags_defaults_and_key(tmp_path):
     assert keys.required and keys.anonymous is None
 
 
+def test_with_several_keys_none_may_hold_more_than_half_the_router(tmp_path):
+    text = "keys:\n  - {name: alice, key: sk-a-0123}\n  - {name: bob, key: sk-b-4567, max_concurrent_requests: 3}\n"
+    keys = table(tmp_path, text, max_concurrent_requests=10)
+    assert keys.authenticate("Bearer sk-a-0123").limits.max_concurrent_requests == 5
+    assert keys.authenticate("Bearer sk-b-4567").limits.max_concurrent_requests == 3      # its own is stricter
+    one = table(tmp_path, "keys:\n  - {key: sk-a-0123}\n", max_concurrent_requests=10)
+    assert one.authenticate("Bearer sk-a-0123").limits.max_concurrent_requests is None   # alone: the router's
+
+
 def test_single_key_option_and_no_keys(tmp_path):
     keys = KeyTable.from_config(RouterConfig(api_key="sk-one", max_n=3))
     assert keys.authenticate("Bearer sk-one").limits == Limits(None, None, 3, None)

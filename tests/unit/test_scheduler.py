@@ -106,3 +106,21 @@ def test_preemption_when_blocks_run_out():
     assert sch.num_preemptions == 1
     sch.finish(a, "stop")
     assert sch.blocks.num_free_blocks == 4
+
+
+def test_a_tenants_flood_queues_behind_itself_not_before_another_tenant():
+    sch = Scheduler(BlockManager(256, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    flood = [Sequence(f"a{i}", 0, [1, 2, 3], SamplingParams(temperature=0, tenant="alice")) for i in range(20)]
+    bob = Sequence("b", 0, [4, 5, 6], SamplingParams(temperature=0, tenant="bob"))
+    for s in flood:
+        sch.add(s)
+    sch.add(bob)                                       # arrives last, behind 20 of alice's requests
+    first = sch.schedule()
+    assert first.seqs[:2] == [flood[0], bob]           # alice runs one: bob, running none, goes next
+    assert [s.request_id for s in first.seqs] == ["a0", "b", "a1", "a2"]
+    # one tenant alone: first come, first served as before
+    solo = Scheduler(BlockManager(256, 4), max_num_seqs=3, max_num_batched_tokens=64)
+    seqs = [make(3, f"s{i}") for i in range(5)]
+    for s in seqs:
+        solo.add(s)
+    assert solo.schedule().seqs == seqs[:3]
