@@ -80,7 +80,8 @@ def rebalance(a: argparse.Namespace) -> None:
     from shared.engine.engine import LLMEngine
     from shared.model.placement import Placement
     from shared.sampling_params import SamplingParams
-    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient
+    from shared.shards.remote_ffn import attach_expert_shards, ffn_kinds
     from shared.shards.rebalance import Rebalancer
     from shared.testing.moe_checkpoints import save_tiny
 
@@ -145,7 +146,8 @@ def main() -> None:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.model.placement import Placement
-    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient
+    from shared.shards.remote_ffn import attach_expert_shards, ffn_kinds
     from shared.tokenizer import Tokenizer
 
     addresses, shards = _start_shards(a.shards, a.shard_threads)

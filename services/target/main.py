@@ -79,7 +79,8 @@ def _attach_expert_shards(cfg: TargetConfig, engine: LLMEngine):
     if not cfg.expert_addresses():
         return None
     from shared.model.placement import load_placement, num_routed_experts
-    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient
+    from shared.shards.remote_ffn import attach_expert_shards, ffn_kinds
 
     addresses, model = cfg.expert_addresses(), engine.runner.model
     placement = load_placement(cfg.expert_placement, len(addresses), num_routed_experts(engine.model_cfg))

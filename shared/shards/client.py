@@ -1,9 +1,9 @@
 """The target's side of expert parallelism: every layer's FFN work sent to expert shards over batched RPC.
 
-`attach_expert_shards` swaps each dense layer's MLP for a `RemoteMLP` (calling `RemoteDense`) and each MoE block's
-backend for `RemoteExperts`, then frees the local FFN weights. Per layer per forward step, `ExpertsClient.run` groups
-the (token, unit) slots by shard (shared.model.placement), sends ONE Dispatch per shard carrying all of its slots, to
-all shards at once (sync stubs' `.future()`, so it runs on the engine thread), and sums what comes back (combine).
+The model reaches it through shared.shards.remote_ffn (`attach_expert_shards`). Per layer per forward step,
+`ExpertsClient.run` groups the (token, unit) slots by shard (shared.model.placement), sends ONE Dispatch per shard
+carrying all of its slots, to all shards at once (sync stubs' `.future()`, so it runs on the engine thread), and
+sums what comes back (combine).
 
 A shard that fails (UNAVAILABLE, or its deadline passes) is avoided for `retry_after_s`; its slots go to replicas on
 other shards when every unit has one, else the step fails with PeerUnavailable (UNAVAILABLE to the client). gRPC
@@ -30,13 +30,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
-from torch import nn
 
 from shared import telemetry, tensor_codec
 from shared.errors import PeerUnavailable
 from shared.model.config import ModelConfig
 from shared.model.placement import Placement, Unit, combine, plan_dispatch, replica_table
-from shared.ops.packed_linear import PackedLinear
 from shared.rpc.channel import sync_channel
 from upesi.v1 import experts_pb2, experts_pb2_grpc
 
@@ -293,108 +291,6 @@ class ExpertsClient:
 
 def _observe(hist, t0: float, fut) -> None:
     hist.observe(time.perf_counter() - t0)
-
-
-# ---------------------------------------------------------------- the backends the model calls
-class RemoteDense:
-    """DenseBackend over the shards: each shard computes its slice of the layer's FFN; the slices sum to it."""
-
-    def __init__(self, client: ExpertsClient) -> None:
-        self.client = client
-        self.slices = torch.arange(client.placement.num_shards)
-
-    def dense(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        ids = self.slices.expand(hidden.shape[0], -1)                          # [T, N]: every token, every slice
-        return self.client.run(layer, hidden, ids, None)
-
-
-class RemoteExperts(nn.Module):
-    """ExpertBackend over the shards (a Module so it can take the place of a module-valued backend)."""
-
-    def __init__(self, client: ExpertsClient) -> None:
-        super().__init__()
-        self.client = client
-
-    def moe(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-            ) -> torch.Tensor:
-        return self.client.run(layer, hidden, topk_ids, topk_weights)
-
-
-class RemoteMLP(nn.Module):
-    """Stands in for a dense layer's MLP; its weights live on the expert shards."""
-
-    def __init__(self, layer: int, backend: RemoteDense) -> None:
-        super().__init__()
-        self.layer, self.backend = layer, backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.dense(self.layer, x)                               # [T, D]
-
-
-def ffn_kinds(model: nn.Module) -> list[bool]:
-    """Per decoder layer: True = a dense SwiGLU MLP, False = an MoE block (it has a `backend`)."""
-    kinds = []
-    for i, layer in enumerate(model.layers):
-        mlp = layer.mlp
-        if hasattr(mlp, "backend"):
-            kinds.append(False)
-        elif hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
-            kinds.append(True)
-        else:
-            raise ValueError(f"layer {i}: {type(mlp).__name__} is neither a dense MLP nor an MoE block; "
-                             "its FFN cannot run on expert shards")
-    return kinds
-
-
-def attach_expert_shards(model: nn.Module, client: ExpertsClient) -> int:
-    """Routes every layer's FFN through `client` and frees the local FFN weights; returns the bytes freed."""
-    dense = RemoteDense(client)
-    experts = RemoteExperts(client)
-    freed = 0
-    for i, (layer, is_dense) in enumerate(zip(model.layers, ffn_kinds(model))):
-        if is_dense:
-            old, layer.mlp = layer.mlp, RemoteMLP(i, dense)
-            freed += _free(old, keep=())
-        else:
-            old, layer.mlp.backend = layer.mlp.backend, experts
-            freed += _free(old, keep=(layer, layer.mlp))
-    return freed
-
-
-def _tensors(obj, keep: tuple) -> Iterator[torch.Tensor | PackedLinear]:
-    """The weights an FFN module or backend holds (not those of `keep`, the modules it sits in)."""
-    if isinstance(obj, nn.Module):
-        if not any(obj is k for k in keep):
-            yield from obj.parameters()
-            yield from obj.buffers()
-            yield from (m for m in obj.modules() if isinstance(m, PackedLinear))    # packed copies: not buffers
-    elif isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x, keep)
-    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
-        names = list(getattr(obj, "__dict__", {})) + list(getattr(obj, "__slots__", ()))
-        for name in names:
-            v = getattr(obj, name, None)
-            if isinstance(v, (nn.Module, torch.Tensor, list, tuple)):
-                yield from _tensors(v, keep)
-
-
-def _free(obj, keep: tuple) -> int:
-    seen, freed = set(), 0
-    for t in _tensors(obj, keep):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        if isinstance(t, PackedLinear):
-            freed += t.release()
-            continue
-        if t.numel() == 0:
-            continue
-        freed += t.numel() * t.element_size()
-        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    return freed
 
 
 class _ExpertTokens:

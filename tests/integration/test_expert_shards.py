@@ -208,7 +208,8 @@ def test_routed_experts_on_shards_equal_local_with_replicas_fail_over_and_rebala
     from shared.errors import PeerUnavailable
     from shared.model.placement import Placement
     from shared.sampling_params import SamplingParams
-    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient
+    from shared.shards.remote_ffn import attach_expert_shards, ffn_kinds
     from shared.shards.rebalance import replicate_hot
     from shared.testing.moe_checkpoints import save_tiny
 

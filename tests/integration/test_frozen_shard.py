@@ -28,7 +28,8 @@ def test_a_frozen_shard_fails_over_or_fails_fast_and_serves_again_when_thawed(tm
     from shared.errors import PeerUnavailable
     from shared.model.placement import Placement
     from shared.sampling_params import SamplingParams
-    from shared.shards.client import RPCS, STALLS, ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import RPCS, STALLS, ExpertsClient
+    from shared.shards.remote_ffn import attach_expert_shards, ffn_kinds
 
     save_tiny(tmp_path, "deepseek_v3")                   # layer 0 dense; layers 1, 2: 8 routed + 1 shared expert
     placement = Placement(2, 8, {1: tuple((0, 1) for _ in range(8))})     # layer 1 on both shards, 2 contiguous

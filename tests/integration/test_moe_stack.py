@@ -47,7 +47,8 @@ def test_greedy_through_expert_shards_equals_transformers(families, family, n):
     from shared.engine.engine import LLMEngine
     from shared.model.placement import Placement, num_routed_experts
     from shared.sampling_params import SamplingParams
-    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient
+    from shared.shards.remote_ffn import attach_expert_shards, ffn_kinds
 
     path, addresses, expect = families[family]
     eng = LLMEngine(EngineConfig(model=path, progress=False, num_kv_blocks=64))

@@ -67,7 +67,8 @@ def test_quantised_moe_through_two_shards_equals_in_process(source, tmp_path, ac
     from shared.model.placement import Placement
     from shared.quant.nvfp4_module import FP8Linear, NVFP4Linear
     from shared.sampling_params import SamplingParams
-    from shared.shards.client import ExpertsClient, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient
+    from shared.shards.remote_ffn import attach_expert_shards, ffn_kinds
 
     out = str(tmp_path / "quantised")
     result = quantize(str(source / "src"), out, policy=str(source / "policy.json"), act_quant=act_quant,

@@ -269,7 +269,8 @@ def test_rebalancer_replicates_the_hottest_experts_on_the_least_loaded_shards():
 
 def test_attach_routes_every_layer_through_the_client_and_frees_local_weights(tiny_llama, tiny_mixtral):
     from shared.model.registry import build_model
-    from shared.shards.client import ExpertsClient, RemoteExperts, RemoteMLP, attach_expert_shards, ffn_kinds
+    from shared.shards.client import ExpertsClient
+    from shared.shards.remote_ffn import RemoteExperts, RemoteMLP, attach_expert_shards, ffn_kinds
     for path, kinds in ((tiny_llama[0], [True, True]), (tiny_mixtral[0], [False, False])):
         model, _ = build_model(path, 64, torch.float32, "cpu", progress=False)
         assert ffn_kinds(model) == kinds

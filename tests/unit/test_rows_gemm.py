@@ -83,7 +83,7 @@ def test_pack_linears_packs_fp32_models():
 def test_freeing_a_packed_ffn_counts_and_drops_its_panels():
     """attach_expert_shards frees the target's local FFN weights: a PackedLinear's packed copy is not a parameter
     or buffer, so it is released explicitly (before, its bytes were neither counted nor freed)."""
-    from shared.shards.client import _free
+    from shared.shards.remote_ffn import _free
 
     mlp = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False))
     assert pack_linears(mlp) == 2
