@@ -145,4 +145,5 @@ def router_command(cfg: ServeConfig) -> list[str]:
             *tls_args(cfg, client=True),
             *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []),
             *(["--chat-template", os.path.abspath(cfg.chat_template)] if cfg.chat_template else []),
-            *(["--reasoning-parser", cfg.reasoning_parser] if cfg.reasoning_parser else [])]
+            *(["--reasoning-parser", cfg.reasoning_parser] if cfg.reasoning_parser else []),
+            "--tool-call-parser", cfg.tool_call_parser]

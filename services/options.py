@@ -182,6 +182,20 @@ class TLS(ServerTLS):
     tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+def tool_call_parser() -> Any:
+    return option("hermes", "router: the format of tool calls in a chat answer with tool_choice auto, as the model's "
+                            "template teaches it (vLLM's names): hermes (<tool_call> blocks: Qwen, SmolLM, Hermes), "
+                            "llama3_json (a JSON object per call: Llama 3.1+), mistral ([TOOL_CALLS])")
+
+
+def check_tool_call_parser(name: str) -> None:
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+
+
 def hf_overrides() -> Any:
     return option(None, "model config keys to put over the checkpoint's, as a JSON object (vLLM's --hf-overrides): "
                         "e.g. '{\"sliding_window\": 4096}' for a Mistral 7B v0.1 GGUF file, which does not carry "

@@ -2,36 +2,23 @@
 
 - `tool_choice: "required"` and a named function are enforced by a grammar (shared/engine/structured.py): the
   answer is a JSON list of calls, or the named function's arguments, so arguments always fit their schema.
-- `"auto"` lets the model choose; its calls are parsed from the Hermes format that Qwen2.5, Qwen3 and SmolLM
-  templates use, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and the text around them is the
-  content.
+- `"auto"` lets the model choose; its calls are parsed in the format its template teaches (shared/tool_parsers.py:
+  Hermes, the default, as Qwen2.5, Qwen3 and SmolLM templates use; Llama 3 JSON; Mistral), and the text around
+  them is the content.
 - A chat template that does not render `tools` itself gets them in a system message in that format, and earlier
   assistant calls and tool results become text it can render.
 """
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import InvalidRequest
+from shared.tool_parsers import PARSERS, ToolCall
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 MAX_TOOLS = 128
-
-
-@dataclass(slots=True)
-class ToolCall:
-    name: str
-    arguments: str                            # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def as_openai(self, index: int | None = None) -> dict:
-        out = {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}}
-        return out if index is None else {"index": index, **out}
+__all__ = ["MAX_TOOLS", "ToolCall", "ToolChoice", "as_text", "system_prompt", "tool_choice"]
 
 
 @dataclass(slots=True)
@@ -41,6 +28,7 @@ class ToolChoice:
     mode: str
     name: str = ""
     parallel: bool = True                     # more than one call an answer
+    parser: str = "hermes"                    # the format of calls in an "auto" answer (shared.tool_parsers)
 
     def guide(self) -> tuple[str, str]:
         """(guide kind, spec) that enforces the choice; ("", "") for none and auto."""
@@ -68,20 +56,10 @@ class ToolChoice:
             except ValueError:
                 return text, []                       # cut short by max_tokens: no valid call to report
             return None, [ToolCall(c["name"], json.dumps(c["arguments"])) for c in found]
-        if self.mode == "auto" and "<tool_call>" in text:
-            calls = []
-            for body in _CALL.findall(text):
-                try:
-                    c = json.loads(body)
-                except ValueError:
-                    continue
-                for one in c if isinstance(c, list) else [c]:
-                    if isinstance(one, dict) and isinstance(one.get("name"), str):
-                        args = one.get("arguments", one.get("parameters", {}))
-                        calls.append(ToolCall(one["name"], args if isinstance(args, str) else json.dumps(args)))
+        if self.mode == "auto":
+            content, calls = PARSERS[self.parser](text)
             if calls:
-                content = _CALL.sub("", text).strip()
-                return content or None, calls if self.parallel else calls[:1]
+                return content, calls if self.parallel else calls[:1]
         return text, []
 
 

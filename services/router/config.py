@@ -39,6 +39,7 @@ class RouterConfig(options.TLS):
     chat_template: str | None = option(None, "a Jinja chat template file used instead of the model's own")
     reasoning_parser: str = option("", "think: a chat answer's <think>...</think> (Qwen3, DeepSeek-R1) is returned as "
                                        "reasoning_content apart from content; empty = off")
+    tool_call_parser: str = options.tool_call_parser()
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (/v1/models, the `model` of "
                                                  "requests and responses); default: the model's file or folder "
                                                  "name without extension or quantisation suffix")
@@ -81,6 +82,7 @@ class RouterConfig(options.TLS):
         return [a.strip() for a in (self.prefill_target or "").split(",") if a.strip()]
 
     def __post_init__(self) -> None:
+        options.check_tool_call_parser(self.tool_call_parser)
         if self.reasoning_parser not in ("", "think"):
             raise ValueError(f"reasoning_parser must be 'think' or empty, got {self.reasoning_parser!r}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

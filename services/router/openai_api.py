@@ -200,6 +200,8 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             if req.model is not None and req.model != frontend.served_model:
                 raise unknown_model(frontend, req.model)
             inputs = generation_inputs(req, frontend.info.vocab_size)
+            if inputs[0].tool_choice is not None:
+                inputs[0].tool_choice.parser = frontend.cfg.tool_call_parser
             chat = kind is ChatRequest
             reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                            int(time.time()), frontend.tok, inputs[0].tool_choice,
