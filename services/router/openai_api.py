@@ -28,6 +28,7 @@ from services.router.openai_request import (ApiError, ChatRequest, CompletionReq
 from shared import metrics
 from shared.errors import RateLimited, Unauthenticated
 from shared.reasoning import Splitter
+from shared.tool_stream import ToolCallStream
 from shared.rpc.errors import status_for
 
 log = logging.getLogger("upesi.router.http")
@@ -123,8 +124,22 @@ async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator
         offsets: dict[int, int] = defaultdict(int)          # characters of each choice's text so far
         held: dict[int, str] = defaultdict(str)             # a tool-calling choice's text, parsed once it ends
         splitters: dict[int, Splitter] = {}
+        calls: dict[int, ToolCallStream] = {}               # tool-calling choices whose calls stream as written
         while chunk is not None:
             for c in chunk.choices:
+                if reply.tools is not None:
+                    stream = calls.setdefault(c.index, ToolCallStream(reply.tools))
+                    if stream.streams:
+                        thought, text = "", c.text
+                        if reply.reasoning:                    # the thinking apart, then the calls
+                            thought, text = splitters.setdefault(c.index, Splitter()).push(
+                                text, final=bool(c.finish_reason))
+                        d = reply.tool_stream_delta(c.index, stream, text, c.finish_reason)
+                        if thought:
+                            d["delta"] = {"reasoning_content": thought, **d["delta"]}
+                        if d["delta"] or d["finish_reason"]:
+                            yield _sse(reply.chunk([d], None, usage))
+                        continue
                 if reply.tools is not None:
                     held[c.index] += c.text
                     if c.finish_reason:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.router.frontend import ChoiceDelta, Logprob, StreamChunk
+from shared.tool_stream import ToolCallStream
 from shared.errors import PeerUnavailable
 from shared.reasoning import split as split_reasoning
 from shared.tool_calls import ToolChoice
@@ -89,6 +90,19 @@ class _Reply:
             delta["content"] = message["content"]
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+    def tool_stream_delta(self, index: int, stream: ToolCallStream, text: str, reason: str | None) -> dict:
+        """A tool-calling chat choice's next stream delta: its new content and call pieces (shared.tool_stream);
+        the last one's finish reason is "tool_calls" when it called, as in a whole answer."""
+        content, calls = stream.push(text, final=reason is not None)
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        if reason is not None and stream.called and (reason == "stop" or self.tools.mode == "named"):
+            reason = "tool_calls"
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     def chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> dict:

@@ -46,7 +46,7 @@ def test_required_tool_choice_calls_some_tool_and_streams_alike(oai):
     assert r.choices[0].finish_reason == "tool_calls"
     check_calls(r.choices[0].message.tool_calls)
     streamed: dict[int, dict] = {}
-    reasons = []
+    reasons, pieces = [], 0
     for chunk in oai.chat.completions.create(stream=True, **kw):
         for ch in chunk.choices:
             reasons.append(ch.finish_reason)
@@ -54,7 +54,9 @@ def test_required_tool_choice_calls_some_tool_and_streams_alike(oai):
                 got = streamed.setdefault(d.index, {"name": "", "arguments": ""})
                 got["name"] += d.function.name or ""
                 got["arguments"] += d.function.arguments or ""
+                pieces += bool(d.function.arguments)
     assert reasons[-1] == "tool_calls"
+    assert pieces > len(streamed)                       # arguments arrive as they are written, not whole
     assert [(s["name"], json.loads(s["arguments"])) for s in streamed.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
 

@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("shared.errors", "shared.sampling_params", "shared.cache_dir", "shared.config", "shared.telemetry",
               "shared.metrics", "shared.tensor_codec", "shared.model_files", "shared.tree")),
     ("text", ("shared.tokenizer", "shared.detokenizer", "shared.text_output", "shared.tool_calls",
-              "shared.tool_parsers", "shared.reasoning")),
+              "shared.tool_parsers", "shared.tool_stream", "shared.reasoning")),
     ("ops", ("shared.ops",)),
     ("quant", ("shared.quant",)),
     ("model", ("shared.model",)),
