@@ -3,11 +3,17 @@ new text per choice. No protobuf here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from shared.tool_calls import ToolChoice
 
-Logprob = tuple[float, list[int], list[float]]    # a token's log-probability, the top ids and their log-probabilities
+
+class Logprob(NamedTuple):
+    """A token's log-probability, the top ids and their log-probabilities, its rank (1 = most likely; 0 unknown)."""
+    logprob: float | None
+    top_ids: list[int]
+    top_logprobs: list[float]
+    rank: int = 0
 
 
 @dataclass(slots=True)

@@ -149,7 +149,7 @@ async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator
                 text = c.text
                 if reply.echo and c.index not in offsets:         # a choice's first delta: its prompt first
                     text = reply.echo[c.index] + text
-                toks = None if c.logprobs is None else (*with_prompt(c), offsets[c.index])
+                toks = None if c.logprobs is None else (*with_prompt(c, bool(reply.echo)), offsets[c.index])
                 offsets[c.index] += len(text)
                 if reply.chat and reply.reasoning:             # the thinking apart, a held-back tag aside
                     r, t = splitters.setdefault(c.index, Splitter()).push(text, final=bool(c.finish_reason))
@@ -220,7 +220,8 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             chat = kind is ChatRequest
             reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                            int(time.time()), frontend.tok, inputs[0].tool_choice,
-                           reasoning=frontend.cfg.reasoning_parser == "think")
+                           reasoning=frontend.cfg.reasoning_parser == "think",
+                           prompt_logprobs=req.prompt_logprobs is not None)
             if not chat and req.echo:
                 reply.echo = [i.prompt or frontend.tok.decode(i.prompt_ids) for i in inputs for _ in range(i.n or 1)]
             n = (inputs[0].n or 1) * len(inputs)         # prompt p's choice j is choice p * n + j
@@ -228,7 +229,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             gens = [cast(AsyncGenerator[StreamChunk, None], frontend.stream(i, None, caller)) for i in inputs]
             gen = gens[0] if len(gens) == 1 else merge_prompts(gens, inputs[0].n or 1)
             if not req.stream:
-                answer = reply.whole(*await _unless_disconnected(request, _collect(gen, n)))
+                answer = reply.whole(*await _unless_disconnected(request, _collect(gen, n, bool(reply.echo))))
                 metrics.REQUESTS.labels(method, "OK").inc()
                 return JSONResponse(answer)
             first = await _unless_disconnected(request, anext(gen))    # errors up to here get an HTTP status

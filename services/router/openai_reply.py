@@ -41,9 +41,10 @@ class _Reply:
     tools: ToolChoice | None = None           # a chat request that may call tools (mode other than "none")
     echo: list[str] | None = None             # completions with echo: each choice's prompt text
     reasoning: bool = False                   # chat: <think>...</think> becomes reasoning_content
+    prompt_logprobs: bool = False             # vLLM's prompt_logprobs field in the answer
 
     def whole(self, texts: list[str], reasons: list[str | None], last: StreamChunk,
-              tokens: list[_Tokens] | None = None) -> dict:
+              tokens: list[_Tokens] | None = None, prompts: list[_Tokens | None] | None = None) -> dict:
         choices = []
         for i, (t, r) in enumerate(zip(texts, reasons)):
             if not self.chat:
@@ -56,8 +57,24 @@ class _Reply:
                 body = {"message": message}
             choices.append({"index": i, **body, "logprobs": self.logprobs(*tokens[i]) if tokens else None,
                             "finish_reason": r})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": _usage(last)}
+            if self.prompt_logprobs and not self.chat:
+                choices[-1]["prompt_logprobs"] = self.prompt_entries(*prompts[i]) if prompts and prompts[i] else None
+        out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices, "usage": _usage(last)}
+        if self.prompt_logprobs and self.chat:
+            out["prompt_logprobs"] = self.prompt_entries(*prompts[0]) if prompts and prompts[0] else None
+        return out
+
+    def prompt_entries(self, ids: list[int], lps: list[Logprob]) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob, rank,
+        decoded_token}} for the token itself and the most likely ones."""
+        out: list[dict | None] = [None]
+        for t, lp in zip(ids[1:], lps):
+            entry = {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.tok.decode([t])}}
+            for rank, (i, x) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1):
+                entry.setdefault(str(i), {"logprob": x, "rank": rank, "decoded_token": self.tok.decode([i])})
+            out.append(entry)
+        return out
 
     def thought(self, message: dict) -> dict:
         """A chat message with its reasoning apart (shared.reasoning), when this reply splits it."""
@@ -138,45 +155,51 @@ class _Reply:
             def entry(t: int, x: float) -> dict:
                 return {"token": name(t), "logprob": x, "bytes": list(name(t).encode())}
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, x) for i, x in zip(top, xs)]}
-                                for t, (lp, top, xs) in zip(ids, lps)]}
+                                for t, (lp, top, xs, _) in zip(ids, lps)]}
         offsets = []
         for t in ids:
             offsets.append(offset)
             offset += len(name(t))
-        return {"tokens": [name(t) for t in ids], "token_logprobs": [lp for lp, _, _ in lps],
+        return {"tokens": [name(t) for t in ids], "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [None if lp is None else {name(t): lp, **{name(i): x for i, x in zip(top, xs)}}
-                                 for t, (lp, top, xs) in zip(ids, lps)], "text_offset": offsets}
+                                 for t, (lp, top, xs, _) in zip(ids, lps)], "text_offset": offsets}
 
 
-def with_prompt(c: ChoiceDelta) -> tuple[list[int], list[Logprob]]:
-    """A choice delta's tokens and log-probabilities, after its prompt's when it carries them (echo): the first
-    prompt token has none."""
-    if c.prompt_logprobs is None:
+def with_prompt(c: ChoiceDelta, echo: bool) -> tuple[list[int], list[Logprob]]:
+    """A choice delta's tokens and log-probabilities, after its prompt's when it carries them and the request echoes
+    the prompt: the first prompt token has none."""
+    if c.prompt_logprobs is None or not echo:
         return list(c.token_ids), list(c.logprobs or [])
     ids, lps = c.prompt_logprobs
-    return ids + list(c.token_ids), [(None, [], [])] + lps + list(c.logprobs or [])
+    return ids + list(c.token_ids), [Logprob(None, [], [])] + lps + list(c.logprobs or [])
 
 
-async def _collect(gen: AsyncIterator[StreamChunk], n: int
-                   ) -> tuple[list[str], list[str | None], StreamChunk, list[_Tokens] | None]:
+async def _collect(gen: AsyncIterator[StreamChunk], n: int, echo: bool = False
+                   ) -> tuple[list[str], list[str | None], StreamChunk, list[_Tokens] | None, list[_Tokens] | None]:
+    """A whole answer: each choice's text, finish reason and log-probabilities (after the prompt's with `echo`),
+    the last chunk (usage), and each choice's prompt ids and log-probabilities when they came."""
     # Nothing sized by n before the frontend has validated it (a client may send n = 10**12).
     texts: dict[int, str] = defaultdict(str)
     reasons: dict[int, str | None] = {}
     tokens: dict[int, _Tokens] = defaultdict(lambda: ([], []))
+    prompts: dict[int, _Tokens] = {}
     last = None
     async for chunk in gen:
         for c in chunk.choices:
             texts[c.index] += c.text
             reasons[c.index] = c.finish_reason or reasons.get(c.index)
+            if c.prompt_logprobs is not None:
+                prompts.setdefault(c.index, c.prompt_logprobs)
             if c.logprobs is not None:
-                ids, lps = with_prompt(c)
+                ids, lps = with_prompt(c, echo)
                 tokens[c.index][0].extend(ids)
                 tokens[c.index][1].extend(lps)
         last = chunk
     if last is None:
         raise PeerUnavailable("the generation ended without an answer")
     return ([texts[i] for i in range(n)], [reasons.get(i) for i in range(n)], last,
-            [tokens[i] for i in range(n)] if tokens else None)
+            [tokens[i] for i in range(n)] if tokens else None,
+            [prompts.get(i) for i in range(n)] if prompts else None)
 
 
 async def merge_prompts(gens: list[AsyncGenerator[StreamChunk, None]], n: int) -> AsyncGenerator[StreamChunk, None]:

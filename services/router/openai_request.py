@@ -27,7 +27,7 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
     "function_call": (None, "none"),
     "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
-    "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,),
+    "spaces_between_special_tokens": (None, True),
 }
 # Fields of OpenAI's API that change nothing in the output: accepted and unused.
 _UNUSED = {"metadata", "store", "service_tier"}
@@ -76,6 +76,7 @@ class GenerationRequest(Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None    # vLLM's: each prompt token's log-probability (after the first), top N
 
 
 class CompletionRequest(GenerationRequest):
@@ -219,6 +220,11 @@ def generation_input(req: GenerationRequest, vocab_size: int) -> GenerationInput
         inp.logprobs = req.logprobs
         if req.echo and req.logprobs is not None:
             inp.prompt_logprobs = req.logprobs
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise ApiError(Code.INVALID_ARGUMENT, "prompt_logprobs is not available when stream is enabled",
+                           param="prompt_logprobs")
+        inp.prompt_logprobs = max(inp.prompt_logprobs or 0, req.prompt_logprobs)
     return inp
 
 

@@ -24,11 +24,12 @@ def input_from_pb(req: generation_pb2.GenerateRequest) -> GenerationInput:
                            repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"),
                            logit_bias=dict(req.logit_bias), min_tokens=opt("min_tokens"),
                            stop_token_ids=list(req.stop_token_ids), logprobs=opt("logprobs"),
-                           guide_kind=req.guide_kind, guide=req.guide)
+                           guide_kind=req.guide_kind, guide=req.guide, prompt_logprobs=opt("prompt_logprobs"))
 
 
 def _logprobs(lps) -> list[generation_pb2.TokenLogprobs]:
-    return [generation_pb2.TokenLogprobs(logprob=x, top_ids=ids, top_logprobs=xs) for x, ids, xs in lps or ()]
+    return [generation_pb2.TokenLogprobs(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs,
+                                         rank=lp.rank) for lp in lps or ()]
 
 
 def parse_request(data: bytes) -> generation_pb2.GenerateRequest | None:
@@ -101,6 +102,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids: dict[int, list[int]] = defaultdict(list)
             reasons: dict[int, str] = defaultdict(str)
             lps: dict[int, list] = defaultdict(list)
+            prompts: dict[int, tuple] = {}
             last = None
             async for chunk in self.frontend.stream(inp, context.time_remaining(), caller):
                 for c in chunk.choices:
@@ -108,11 +110,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     ids[c.index].extend(c.token_ids)
                     reasons[c.index] = c.finish_reason or reasons[c.index]
                     lps[c.index] += c.logprobs or []
+                    if c.prompt_logprobs is not None:
+                        prompts.setdefault(c.index, c.prompt_logprobs)
                 last = chunk
-            return generation_pb2.GenerateResponse(
-                request_id=request.request_id, usage=_usage(last), spec=_spec(last),
-                choices=[generation_pb2.Choice(index=i, text=texts[i], token_ids=ids[i], finish_reason=reasons[i],
-                                               logprobs=_logprobs(lps[i])) for i in range(inp.n or 1)])
+            choices = [generation_pb2.Choice(index=i, text=texts[i], token_ids=ids[i], finish_reason=reasons[i],
+                                             logprobs=_logprobs(lps[i])) for i in range(inp.n or 1)]
+            for i, (prompt, plps) in prompts.items():
+                choices[i].prompt_token_ids.extend(prompt)
+                choices[i].prompt_logprobs.extend(_logprobs(plps))
+            return generation_pb2.GenerateResponse(request_id=request.request_id, usage=_usage(last),
+                                                   spec=_spec(last), choices=choices)
 
     @map_errors
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -121,7 +128,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for chunk in self.frontend.stream(input_from_pb(request), context.time_remaining(), caller):
                 msg = generation_pb2.GenerateResponse(request_id=request.request_id, choices=[
                     generation_pb2.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
-                                          finish_reason=c.finish_reason or "", logprobs=_logprobs(c.logprobs))
+                                          finish_reason=c.finish_reason or "", logprobs=_logprobs(c.logprobs),
+                                          prompt_token_ids=c.prompt_logprobs[0] if c.prompt_logprobs else (),
+                                          prompt_logprobs=_logprobs(c.prompt_logprobs[1] if c.prompt_logprobs else ()))
                     for c in chunk.choices])
                 if chunk.done:
                     msg.usage.CopyFrom(_usage(chunk))

@@ -122,7 +122,7 @@ def target_request(request_id: str, prompt: list[int], params: SamplingParams) -
 
 
 def _logprobs(lps) -> list[Logprob]:
-    return [(lp.logprob, list(lp.top_ids), list(lp.top_logprobs)) for lp in lps]
+    return [Logprob(lp.logprob, list(lp.top_ids), list(lp.top_logprobs), lp.rank) for lp in lps]
 
 
 async def read_steps(call, n: int) -> AsyncIterator[StepOutput]:

@@ -217,8 +217,8 @@ class Relay:
 
 def delta_to_pb(d, first: bool) -> target_pb2.TargetGenerateResponse:
     def pb(lps):
-        return [target_pb2.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
-                for lp in lps or ()]
+        return [target_pb2.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs,
+                                        rank=lp.rank) for lp in lps or ()]
     msg = target_pb2.TargetGenerateResponse(deltas=[target_pb2.TokenDelta(
         index=d.index, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
         draft_tokens=d.num_draft_tokens, accepted_tokens=d.num_accepted_tokens, logprobs=pb(d.logprobs),

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One generated token's log-probability under the raw logits, and the most likely tokens' (ids, values)."""
+    """One token's log-probability under the raw logits, the most likely tokens' (ids, values) and its rank among
+    all (1 = the most likely)."""
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int = 0
 
 
 @dataclass(slots=True)

@@ -55,14 +55,17 @@ def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], 
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int) -> list[TokenLogprob]:
-    """Raw logits [R, V] and the token taken at each row -> its log-probability and the `top` most likely."""
+    """Raw logits [R, V] and the token taken at each row -> its log-probability, its rank (1 + the tokens more
+    likely) and the `top` most likely."""
     lp = logits.float().log_softmax(dim=-1)                                     # [R, V]
     rows = torch.arange(len(chosen), device=lp.device)
-    picked = lp[rows, torch.tensor(chosen, dtype=torch.long, device=lp.device)].tolist()
+    at = lp[rows, torch.tensor(chosen, dtype=torch.long, device=lp.device)]     # [R]
+    ranks = ((lp > at[:, None]).sum(dim=-1) + 1).tolist()
+    picked = at.tolist()
     if not top:
-        return [TokenLogprob(p, [], []) for p in picked]
+        return [TokenLogprob(p, [], [], r) for p, r in zip(picked, ranks)]
     vals, idx = lp.topk(top, dim=-1)                                            # [R, top]
-    return [TokenLogprob(p, i, x) for p, i, x in zip(picked, idx.tolist(), vals.tolist())]
+    return [TokenLogprob(p, i, x, r) for p, i, x, r in zip(picked, idx.tolist(), vals.tolist(), ranks)]
 
 
 def rows_logprobs(logits: torch.Tensor, chosen: list[int], tops: list[int | None]) -> list[TokenLogprob | None]:
@@ -73,7 +76,7 @@ def rows_logprobs(logits: torch.Tensor, chosen: list[int], tops: list[int | None
     if want:
         got = token_logprobs(logits[want], [chosen[i] for i in want], max(tops[i] for i in want))
         for i, lp in zip(want, got):
-            out[i] = TokenLogprob(lp.logprob, lp.top_ids[:tops[i]], lp.top_logprobs[:tops[i]])
+            out[i] = TokenLogprob(lp.logprob, lp.top_ids[:tops[i]], lp.top_logprobs[:tops[i]], lp.rank)
     return out
 
 

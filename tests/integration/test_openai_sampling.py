@@ -259,6 +259,50 @@ def test_echo_with_logprobs_scores_the_prompt(oai, hf_model, hf_tokenizer):
     assert plain.choices[0].text.startswith(text) and plain.choices[0].logprobs is None
 
 
+def test_prompt_logprobs_in_vllms_form_for_completions_chat_and_grpc(oai, spec_stack, hf_model, hf_tokenizer):
+    """vLLM's prompt_logprobs: None, then per prompt token {id: {logprob, rank, decoded_token}} for the token and the
+    top N, under transformers' fp32 logits; in completions per choice, in chat beside the choices; over gRPC the
+    same figures; refused with stream."""
+    text = "The capital of France is Paris, and the capital of Italy is"
+    ids = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+
+    def check(entries: list, prompt: list[int]) -> None:
+        assert entries[0] is None and len(entries) == len(prompt)
+        for p in range(1, len(prompt)):
+            row, tok = ref[p - 1], prompt[p]
+            got = entries[p][str(tok)]
+            assert abs(got["logprob"] - row[tok].item()) < 0.02
+            assert got["decoded_token"] == hf_tokenizer.decode([tok])
+            if ((row - row[tok]).abs() < 0.02).sum() == 1:             # no near tie: the rank is decided
+                assert got["rank"] == 1 + int((row > row[tok]).sum())
+            ranked = {v["rank"]: int(k) for k, v in entries[p].items()}
+            assert {1, 2} <= set(ranked) and len(entries[p]) <= 3
+            best = row.topk(2)
+            if best.values[0] - best.values[1] > 0.02:
+                assert ranked[1] == best.indices[0].item()
+    r = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=text, max_tokens=1, temperature=0,
+                               extra_body={"prompt_logprobs": 2}).model_dump()
+    assert r["choices"][0]["logprobs"] is None                         # no echo, no logprobs: only the prompt's
+    check(r["choices"][0]["prompt_logprobs"], ids)
+    c = oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": text}],
+                                    max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}).model_dump()
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    code, body = post(spec_stack, {"messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
+    assert code == 400 and "prompt_logprobs" in body["error"]["message"]
+    import grpc
+
+    from upesi.v1 import generation_pb2, generation_pb2_grpc
+    with grpc.insecure_channel(spec_stack.address) as ch:
+        g = generation_pb2_grpc.GenerationStub(ch).Generate(
+            generation_pb2.GenerateRequest(prompt=text, max_tokens=1, temperature=0, prompt_logprobs=2), timeout=120)
+    choice = g.choices[0]
+    assert list(choice.prompt_token_ids) == ids and len(choice.prompt_logprobs) == len(ids) - 1
+    for p, lp in enumerate(choice.prompt_logprobs, 1):
+        assert abs(lp.logprob - ref[p - 1, ids[p]].item()) < 0.02 and lp.rank >= 1 and len(lp.top_ids) == 2
+
+
 def test_reasoning_content_apart_plain_and_streamed(oai):
     """With --reasoning-parser think, a chat answer's <think>...</think> is reasoning_content (a regex forces the
     default model, which does not think, to answer in that shape)."""
