@@ -49,6 +49,8 @@ class RouterConfig(options.TLS):
     target_wait_s: float = option(600.0, "how long to wait for the target at start-up")
     api_key: str | None = option(None, "require this API key (authorization: Bearer KEY) on gRPC and HTTP")
     api_keys_file: str | None = option(None, "YAML file of API keys with per-key limits (see services/router/auth.py)")
+    require_api_key: bool = option(False, "refuse to start without an API key (--api-key or --api-keys-file): for "
+                                          "deployments whose ports others can reach (the Kubernetes manifests)")
     request_timeout_s: float = option(600.0, "longest a request may run, from arrival to its last token "
                                              "(DEADLINE_EXCEEDED / HTTP 504 after it); a client's shorter gRPC "
                                              "deadline wins")
@@ -83,6 +85,9 @@ class RouterConfig(options.TLS):
 
     def __post_init__(self) -> None:
         options.check_tool_call_parser(self.tool_call_parser)
+        if self.require_api_key and not (self.api_key or self.api_keys_file):
+            raise ValueError("require_api_key is set but no API key is configured: give --api-key (better: "
+                             "UPESI_API_KEY) or --api-keys-file, or set --require-api-key false to serve anyone")
         if self.reasoning_parser not in ("", "think"):
             raise ValueError(f"reasoning_parser must be 'think' or empty, got {self.reasoning_parser!r}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

@@ -165,3 +165,9 @@ def test_requests_and_tokens_per_minute_with_the_wait_to_retry():
     for _ in range(100):
         free.check_rate(10_000)                                  # no limits: nothing counted, nothing refused
     assert not free._admitted and not free._tokens
+
+
+def test_a_router_that_requires_keys_refuses_to_start_without_one(tmp_path):
+    with pytest.raises(ValueError, match="no API key is configured"):
+        RouterConfig(require_api_key=True)
+    assert KeyTable.from_config(RouterConfig(require_api_key=True, api_key="sk-one")).required
