@@ -1,17 +1,20 @@
-"""Chaos run: mixed load against a whole `upesi serve` stack while its parts are killed at random.
+"""Chaos run: mixed load against a whole `upesi serve` stack while its parts are killed or frozen at random.
 
 The stack: 2 target replicas, 2 expert shards that each hold every FFN slice (a replicated placement, so the
 targets fail over to the other shard), the EAGLE draft service and a Redis prefix registry (its own redis-server),
 on free ports. Worker threads send a mix of requests for --minutes: greedy streams, n = 2 sampled
 requests, speculative and plain (num_speculative_tokens 0) ones, and streams the client cancels after a few chunks.
-Every --kill-every-s seconds (on average) one victim is killed with SIGKILL: an expert shard, the draft, the
-second target replica, or Redis (restarted 5 s later); `upesi serve` restarts the services itself.
+Every --kill-every-s seconds (on average) one victim is hit: an expert shard, the draft, the second target replica,
+or Redis. A share --freeze-share of the hits freezes it (SIGSTOP, then SIGCONT --freeze-s later: a hung process,
+which answers nothing); the others kill it with SIGKILL (Redis is restarted 5 s later; `upesi serve` restarts the
+services itself). With --disk-kb the targets also keep a disk tier of KV blocks on a tmpfs of that size (root only),
+which fills up.
 
 It reports requests served, failed (by status, by the last kill before the failure, and whether a target replica
 was killed while they ran), the KV
 blocks each replica still holds once the load has stopped (leaks), and the processes left after the stack stopped.
-Goal: failures only among requests that were running on a killed target; no leaked block or process.
-Figures, not assertions: `python bench/chaos.py --minutes 10`.
+Goal: failures only among requests that were running on a killed target; no request hangs past its deadline; no
+leaked block or process. Figures, not assertions: `python bench/chaos.py --minutes 10 [--disk-kb 512]`.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -107,17 +111,37 @@ def worker(address: str, stop: threading.Event, out: list[Outcome], seed: int, m
                 stop.wait(0.5)                         # a client backs off after an error
 
 
+def freeze(pid: int, seconds: float, stop: threading.Event) -> bool:
+    """SIGSTOP, then SIGCONT after `seconds` (or at once when the run stops); False when pid is gone."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return False
+    try:
+        stop.wait(seconds)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    return True
+
+
 def chaos_monkey(stack: Stack, redis: RedisServer, stop: threading.Event, chaos: Chaos, every_s: float,
-                 rng: random.Random) -> None:
+                 rng: random.Random, freeze_share: float, freeze_s: float) -> None:
     victims = ["experts", "experts", "draft", "target", "redis"]
     while not stop.wait(rng.uniform(0.5, 1.5) * every_s):
         victim = rng.choice(victims)
+        frozen = rng.random() < freeze_share
         kids = children(stack.proc.pid)
         t = time.monotonic()
         if victim == "redis":
-            redis.kill()
             with chaos.lock:
-                chaos.kills.append((t, "redis"))
+                chaos.kills.append((t, "redis frozen" if frozen else "redis"))
+            if frozen:
+                freeze(redis.pid, freeze_s, stop)
+                continue
+            redis.kill()
             stop.wait(5)
             redis.start()
             continue
@@ -127,12 +151,21 @@ def chaos_monkey(stack: Stack, redis: RedisServer, stop: threading.Event, chaos:
         if not pids:
             continue
         pid = rng.choice(pids)
+        with chaos.lock:
+            chaos.kills.append((t, f"{victim} frozen" if frozen else victim))
+        if frozen:
+            freeze(pid, freeze_s, stop)
+            continue
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue
-        with chaos.lock:
-            chaos.kills.append((t, victim))
+
+
+def mount_tmpfs(path: Path, kb: int) -> Path:
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kb}k", "tmpfs", str(path)], check=True)
+    return path
 
 
 def target_loads(addresses: list[str]) -> dict[str, dict[str, int] | str]:
@@ -155,9 +188,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-replicas", action="store_true", help="contiguous placement: each FFN slice on one shard")
+    ap.add_argument("--freeze-share", type=float, default=0.5, help="the share of hits that freeze instead of kill")
+    ap.add_argument("--freeze-s", type=float, default=8.0, help="how long a frozen victim stays stopped")
+    ap.add_argument("--disk-kb", type=int, default=0, help="a disk tier on a tmpfs of this size (0: none; root)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     tmp = Path(tempfile.mkdtemp(prefix="upesi-chaos-"))
+    disk = mount_tmpfs(tmp / "disk", a.disk_kb) if a.disk_kb else None
     redis = RedisServer(tmp / "redis").start()
     base = free_port()
     targets = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]       # replica i listens on the first port + i
@@ -167,6 +204,8 @@ def main() -> None:
              "--expert-metrics-port", "0", "--target-metrics-port", "0"]
     if not a.no_replicas:                     # every dense FFN slice on both shards
         extra += ["--expert-placement", "replicated"]
+    if disk is not None:
+        extra += ["--kv-disk-dir", str(disk), "--kv-disk-gb", str(a.disk_kb / 2**20)]
     t_start = time.monotonic()
     stack = Stack(tmp, extra=extra, target_address=targets[0])
     stop, chaos, outcomes = threading.Event(), Chaos(), []
@@ -176,7 +215,8 @@ def main() -> None:
         print(f"stack up in {time.monotonic() - t_start:.0f} s: {children(stack.proc.pid)}", flush=True)
         threads = [threading.Thread(target=worker, args=(stack.address, stop, outcomes, a.seed + i, a.max_tokens))
                    for i in range(a.concurrency)]
-        monkey = threading.Thread(target=chaos_monkey, args=(stack, redis, stop, chaos, a.kill_every_s, rng))
+        monkey = threading.Thread(target=chaos_monkey, args=(stack, redis, stop, chaos, a.kill_every_s, rng,
+                                                             a.freeze_share, a.freeze_s))
         for t in [*threads, monkey]:
             t.start()
         deadline = time.monotonic() + a.minutes * 60
@@ -197,9 +237,11 @@ def main() -> None:
             all_pids.update(pids)
         code = stack.stop()
         redis.stop()
+        if disk is not None:
+            subprocess.run(["umount", str(disk)], capture_output=True)
     time.sleep(2)
     left = sorted(p for p in all_pids | {stack.proc.pid} if Path(f"/proc/{p}").exists())
-    target_kills = [t for t, v in chaos.kills if v == "target"]
+    target_kills = [t for t, v in chaos.kills if v == "target"]          # killed, not frozen
     by_status: Counter[str] = Counter()
     after_kill: Counter[str] = Counter()                 # failures by the last kill before them (within 60 s)
     failed_on_killed_target = failed_other = 0
@@ -219,11 +261,13 @@ def main() -> None:
               "failures_by_last_kill": dict(after_kill),
               "targets_after_load": loads, "leaked_kv_blocks": sum(v["kv_blocks_used"] for v in loads.values()
                                                                    if isinstance(v, dict)),
-              "serve_exit_code": code, "processes_left": left}
+              "serve_exit_code": code, "processes_left": left,
+              "longest_request_s": round(max((o.end - o.start for o in outcomes), default=0.0), 1)}
     print(f"{len(outcomes)} requests in {a.minutes:g} min: {served} served, {failed_on_killed_target} failed while "
           f"a target replica was killed, {failed_other} failed otherwise; kills {report['kills']}; "
           f"KV blocks held after the load {report['leaked_kv_blocks']}; processes left {left}; failures by the "
-          f"last kill before them: {dict(after_kill)}")
+          f"last kill before them: {dict(after_kill)}; longest request {report['longest_request_s']} s (deadline "
+          "300 s)")
     for k, n in sorted(by_status.items()):
         print(f"  {k:<32} {n}")
     print(json.dumps(report))
