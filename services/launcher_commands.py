@@ -10,7 +10,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.serve_config import ServeConfig
+from services.target.config import TargetConfig
 from shared.config import SECRET_OPTIONS, env_name
+
+# Target settings the launcher composes itself (per replica, or only with other settings); every other setting
+# ServeConfig shares by name with TargetConfig reaches every target as it is (forwarded)
+TARGET_COMPOSED = frozenset({
+    "address", "expert_shards", "expert_placement", "rebalance_interval_s", "registry", "kv_disk_dir", "kv_disk_gb",
+    "kv_host_gb", "kv_store", "kv_store_gb", "kv_store_key", "kv_store_ttl_s", "kv_store_write_policy",
+    "kv_store_write_threshold", "tls_ca", "tls_cert", "tls_key"})
+# ... and those prefill-only targets do without: they compute prompts, never decode
+DECODE_ONLY = frozenset({
+    "speculative", "num_speculative_tokens", "adaptive_speculation", "speculation_guard", "speculative_max_seqs",
+    "draft_confidence", "draft_tree_nodes", "draft_tree_ngram", "stream_interval"})
+
+
+def forwarded(cfg: ServeConfig, to: type, skip: frozenset[str]) -> list[str]:
+    """Flags for every setting `cfg` shares by name with the child's config class `to`, but `skip` and unset ones:
+    an option declared in both configs (services/options.py) reaches the child with no edit here."""
+    out = []
+    for f in dataclasses.fields(to):
+        if f.name in skip or not hasattr(cfg, f.name) or getattr(cfg, f.name) is None:
+            continue
+        value = getattr(cfg, f.name)
+        text = (str(value).lower() if isinstance(value, bool) else ",".join(map(str, value))
+                if isinstance(value, list) else str(value))
+        out += ["--" + f.name.replace("_", "-"), text]
+    return out
 
 
 def hide_secrets(args: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -75,12 +101,9 @@ def children(cfg: ServeConfig) -> list[Child]:
     (services/router/frontend.py) and takes it back once it answers."""
     model = ["--model", cfg.model] if cfg.model else []
     overrides = ["--hf-overrides", cfg.hf_overrides] if cfg.hf_overrides else []     # targets' and shards' models
-    threads = ["--num-threads", str(cfg.num_threads)] if cfg.num_threads else []
-    threads += ["--wide-threads", str(cfg.wide_threads)] if cfg.wide_threads else []
     registry = ["--registry", cfg.registry] if cfg.registry else []
     placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
     quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # targets and shards alike
-    gguf = ["--dequantise-gguf"] if cfg.dequantise_gguf else []             # targets
     out = []
     # the shards share this machine's cores with the target
     shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))
@@ -93,17 +116,11 @@ def children(cfg: ServeConfig) -> list[Child]:
     experts = ["--expert-shards", ",".join(cfg.expert_addresses()), *placement] if cfg.expert_shards else []
     if experts and cfg.rebalance_interval_s:
         experts += ["--rebalance-interval-s", str(cfg.rebalance_interval_s)]
-    spec = ["--num-speculative-tokens", str(cfg.num_speculative_tokens),
-            "--adaptive-speculation", str(cfg.adaptive_speculation).lower(),
-            "--speculation-guard", str(cfg.speculation_guard).lower(),
-            "--speculative-max-seqs", str(cfg.speculative_max_seqs), "--stream-interval", str(cfg.stream_interval)]
     confidence = [] if cfg.draft_confidence is None else ["--draft-confidence", str(cfg.draft_confidence)]
     if cfg.draft_tree_nodes is not None:
         confidence += ["--draft-tree-nodes", str(cfg.draft_tree_nodes)]
     if cfg.draft_tree_ngram is not None:
         confidence += ["--draft-tree-ngram", str(cfg.draft_tree_ngram)]
-    if cfg.speculative:
-        spec += ["--speculative", cfg.speculative, *confidence]
     if cfg.draft:
         out.append(Child("draft service", cfg.draft_address, [
             "draft", "--address", cfg.draft_address, "--proposer", cfg.draft, "--device", cfg.device,
@@ -112,19 +129,18 @@ def children(cfg: ServeConfig) -> list[Child]:
     # an EAGLE head in the draft service reads every prompt's hidden states, also of prefixes cached before it
     # first connected and of blocks a prefill target computed
     hidden = ["--capture-hidden"] if (cfg.draft or "").startswith("eagle:") else []
-    common = ["--kv-cache-gb", str(cfg.kv_cache_gb), "--max-num-seqs", str(cfg.max_num_seqs), "--device", cfg.device,
-              "--dtype", cfg.dtype, "--prefill-itl-stretch", str(cfg.prefill_itl_stretch), *model, *overrides,
-              *threads]
+    decode = forwarded(cfg, TargetConfig, TARGET_COMPOSED)
+    prefill = forwarded(cfg, TargetConfig, TARGET_COMPOSED | DECODE_ONLY)
     for i, address in enumerate(cfg.target_addresses()):
         out.append(Child(f"target {i}", address, [
             "target", "--address", address, "--replica-id", address, "--metrics-port", metrics_port(cfg, i),
-            *common, *registry, *experts, *spec, *quant, *gguf, *cfg.kv_store_args(f"target-{i}", decode=True),
-            *hidden, *tls_args(cfg, client=True)]))
+            *decode, *registry, *experts, *cfg.kv_store_args(f"target-{i}", decode=True), *hidden,
+            *tls_args(cfg, client=True)]))
     for i, address in enumerate(cfg.prefill_addresses()):
         out.append(Child(f"prefill target {i}", address, [
             "target", "--address", address, "--replica-id", address,
             *(["--kv-store-sync"] if cfg.kv_transfer == "store" else []),
-            "--metrics-port", metrics_port(cfg, cfg.target_replicas + i), *common, *experts, *quant, *gguf,
+            "--metrics-port", metrics_port(cfg, cfg.target_replicas + i), *prefill, *experts,
             *cfg.kv_store_args(f"prefill-{i}"), *hidden, *tls_args(cfg, client=True)]))
     return out
 
