@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.serve_config import ServeConfig
+from services.router.config import RouterConfig
 from services.target.config import TargetConfig
 from shared.config import SECRET_OPTIONS, env_name
 
@@ -19,6 +20,7 @@ TARGET_COMPOSED = frozenset({
     "address", "expert_shards", "expert_placement", "rebalance_interval_s", "registry", "kv_disk_dir", "kv_disk_gb",
     "kv_host_gb", "kv_store", "kv_store_gb", "kv_store_key", "kv_store_ttl_s", "kv_store_write_policy",
     "kv_store_write_threshold", "tls_ca", "tls_cert", "tls_key"})
+ROUTER_COMPOSED = frozenset({"draft", "chat_template", "registry", "tls_ca", "tls_cert", "tls_key"})
 # ... and those prefill-only targets do without: they compute prompts, never decode
 DECODE_ONLY = frozenset({
     "speculative", "num_speculative_tokens", "adaptive_speculation", "speculation_guard", "speculative_max_seqs",
@@ -151,15 +153,12 @@ def metrics_port(cfg: ServeConfig, i: int) -> str:
 
 
 def router_command(cfg: ServeConfig) -> list[str]:
-    return ["router", "--address", cfg.address, "--http-host", cfg.http_host, "--http-port", str(cfg.http_port),
-            "--target", ",".join(cfg.target_addresses()),
-            *(["--prefill-target", ",".join(cfg.prefill_addresses()), "--kv-transfer", cfg.kv_transfer]
-              if cfg.prefill_replicas else []),
-            *(["--draft", cfg.draft_address, "--speculative-max-requests", str(cfg.speculative_max_requests)]
-              if cfg.draft else []),
-            *(["--model", cfg.model] if cfg.model else []), *(["--registry", cfg.registry] if cfg.registry else []),
-            *tls_args(cfg, client=True),
-            *(["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []),
-            *(["--chat-template", os.path.abspath(cfg.chat_template)] if cfg.chat_template else []),
-            *(["--reasoning-parser", cfg.reasoning_parser] if cfg.reasoning_parser else []),
-            "--tool-call-parser", cfg.tool_call_parser]
+    """The router's command line: the stack's addresses, and every setting ServeConfig shares with RouterConfig
+    (forwarded) but `draft` (the router's is the draft service's address), the chat template (made absolute) and the
+    secret and TLS ones (composed)."""
+    return ["router", "--target", ",".join(cfg.target_addresses()),
+            *forwarded(cfg, RouterConfig, ROUTER_COMPOSED),
+            *(["--prefill-target", ",".join(cfg.prefill_addresses())] if cfg.prefill_replicas else []),
+            *(["--draft", cfg.draft_address] if cfg.draft else []),
+            *(["--registry", cfg.registry] if cfg.registry else []), *tls_args(cfg, client=True),
+            *(["--chat-template", os.path.abspath(cfg.chat_template)] if cfg.chat_template else [])]

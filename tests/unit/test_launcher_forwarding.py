@@ -43,3 +43,16 @@ def test_composed_settings_keep_their_own_rules():
     t0, t1 = (parsed(c.command) for c in children(cfg) if c.name.startswith("target"))
     assert (t0.kv_disk_dir, t1.kv_disk_dir) == ("/tmp/kv/target-0", "/tmp/kv/target-1")    # one directory each
     assert t0.address != cfg.address                                                          # not the router's
+
+
+def test_the_router_gets_the_shared_settings_and_the_draft_services_address():
+    from services.launcher_commands import router_command
+    from services.router.config import RouterConfig
+    cfg = ServeConfig(draft="ngram", speculative_max_requests=2, reasoning_parser="think", served_model_name="m",
+                      tool_call_parser="mistral", http_port=8123)
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, RouterConfig)
+    got = config_from_args(RouterConfig, parser.parse_args(router_command(cfg)[1:]))
+    assert (got.speculative_max_requests, got.reasoning_parser, got.served_model_name, got.tool_call_parser,
+            got.http_port, got.address) == (2, "think", "m", "mistral", 8123, cfg.address)
+    assert got.draft == cfg.draft_address                  # the router's draft is the service, not the proposer
