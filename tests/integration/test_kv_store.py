@@ -56,6 +56,14 @@ def record_logits(eng: LLMEngine) -> list[torch.Tensor]:
     return seen
 
 
+def refused_once(eng: LLMEngine, ids: list[int], expect: list[int], counter) -> None:
+    """The prompt's 4th stored block is refused (counted once by `counter`) and computed again: same tokens."""
+    before = counter._value.get()
+    got, cached = run(eng, ids)
+    assert got == expect and cached == 3 * BS
+    assert counter._value.get() == before + 1
+
+
 def value_keys(url: str) -> list[bytes]:
     r = redis.Redis.from_url(url)
     return [k for k in r.scan_iter("upesi:kv:*") if k.count(b":") == 3]
@@ -133,11 +141,7 @@ def test_a_corrupted_entry_is_a_miss(tiny_llama_dir, redis_url):
     value = bytearray(r.get(key))
     value[len(value) // 2] ^= 0x01
     r.set(key, bytes(value))
-    invalid = metrics.KV_STORE_INVALID._value.get()
-    got, cached = run(b0, ids)
-    assert got == expect
-    assert cached == 3 * BS
-    assert metrics.KV_STORE_INVALID._value.get() == invalid + 1
+    refused_once(b0, ids, expect, metrics.KV_STORE_INVALID)
     a.close()
     b0.close()
 
@@ -158,11 +162,7 @@ def test_a_forged_block_is_refused_counted_and_recomputed(tiny_llama_dir, redis_
     for forged in (encode(hashes[3], store.layout, steer), encode(hashes[3], store.layout, steer, b"k" * 32)):
         r.set(key, forged)
         b = make(tiny_llama_dir, redis_url, kv_store_key="store-key")
-        refused = metrics.KV_STORE_FORGED._value.get()
-        got, cached = run(b, ids)
-        assert got == expect
-        assert cached == 3 * BS
-        assert metrics.KV_STORE_FORGED._value.get() == refused + 1
+        refused_once(b, ids, expect, metrics.KV_STORE_FORGED)
         b.close()
     # the same store key reads the genuine value back (the check is not a blanket refusal)
     r.set(key, encode(hashes[3], store.layout, genuine, store.key))
