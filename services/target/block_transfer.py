@@ -42,7 +42,7 @@ class BlockSender:
         items = await self.engine.call(lambda e: e.export_blocks(prompt, cache_salt))
         if not items:
             return 0
-        layout = self.engine.engine.block_layout
+        layout = self.engine.block_layout
         loop = asyncio.get_running_loop()
         values = await loop.run_in_executor(None, encode_blocks, layout, items)
         stub = self.stubs.get(destination)

@@ -37,9 +37,8 @@ def params_from_pb(req: target_pb2.TargetGenerateRequest) -> SamplingParams:
 class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, engine: AsyncEngine, verify_timeout_s: float = 5.0) -> None:
         self.engine = engine
-        mux = engine.engine.proposer
-        if not isinstance(mux, ProposerMux):          # drafts from Verify streams go through a mux
-            mux = engine.engine.proposer = ProposerMux(mux)
+        # drafts from Verify streams go through a mux
+        mux = engine.wrap_proposer(lambda p: p if isinstance(p, ProposerMux) else ProposerMux(p))
         self.relays = Relays(engine, mux)
         self.verify_timeout_s = verify_timeout_s
         self.blocks = BlockSender(engine)
@@ -81,12 +80,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     @map_errors
     async def PutBlocks(self, request_iterator, context) -> target_pb2.PutBlocksResponse:
-        store = self.engine.engine.kv_store
-        if store is None or store.host is None:
+        if not self.engine.keeps_received_blocks:
             raise NotConfigured("this target keeps no host tier for KV blocks from other targets: start it with "
                                 "--kv-host-gb")
         got = [(b.hash, b.value) async for b in request_iterator]
-        layout = self.engine.engine.block_layout
+        layout = self.engine.block_layout
         good, bad = await asyncio.get_running_loop().run_in_executor(None, decode_blocks, layout, got)
         if good:
             await self.engine.call(lambda e: e.receive_blocks(good))
@@ -116,7 +114,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue = asyncio.Queue()   # VerifyDown, or (request id, output | error | None) from relays
         proposer = StreamProposer(loop, outbox, self.verify_timeout_s,
-                                  vocab_size=self.engine.engine.model_cfg.vocab_size)
+                                  vocab_size=self.engine.info().vocab_size)
         self.relays.mux.add(proposer)
         mine: dict[str, object] = {}
         reader = asyncio.create_task(self._read_verify(request_iterator, proposer, outbox, mine))
@@ -181,15 +179,13 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     @map_errors
     async def Info(self, request, context) -> target_pb2.InfoResponse:
-        e = self.engine.engine
-        return target_pb2.InfoResponse(model=e.model_cfg.name, max_model_len=e.max_model_len,
-                                       vocab_size=e.model_cfg.vocab_size, eos_token_ids=sorted(e.eos_token_ids),
-                                       block_size=e.cfg.block_size, num_kv_blocks=e.block_manager.num_blocks,
-                                       max_num_seqs=e.cfg.max_num_seqs)
+        i = self.engine.info()
+        return target_pb2.InfoResponse(model=i.model, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
+                                       eos_token_ids=i.eos_token_ids, block_size=i.block_size,
+                                       num_kv_blocks=i.num_kv_blocks, max_num_seqs=i.max_num_seqs)
 
     @map_errors
     async def Load(self, request, context) -> target_pb2.LoadResponse:
-        e = self.engine.engine
-        return target_pb2.LoadResponse(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
-                                       kv_blocks_used=e.block_manager.num_used_blocks,
-                                       kv_blocks_total=e.block_manager.num_blocks)
+        load = self.engine.load()
+        return target_pb2.LoadResponse(running=load.running, waiting=load.waiting,
+                                       kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total)

@@ -29,6 +29,8 @@ from dataclasses import replace
 from typing import Callable, TypeVar
 
 from shared.engine.engine import Delta, LLMEngine
+from shared.engine.engine_view import EngineInfo, EngineLoad, engine_info, engine_load
+from shared.kv.block_codec import BlockLayout
 from shared.errors import EngineDead, Overloaded
 from shared.sampling_params import SamplingParams
 
@@ -97,6 +99,29 @@ class AsyncEngine:
         finally:
             if remaining:
                 self.abort(request_id)
+
+    # ---------------------------------------------------------------- what services read (shared.engine.engine_view)
+    def info(self) -> EngineInfo:
+        return engine_info(self.engine)
+
+    def load(self) -> EngineLoad:
+        return engine_load(self.engine)
+
+    @property
+    def block_layout(self) -> BlockLayout:
+        """What a KV block's bytes mean here (blocks sent to or received from other targets)."""
+        return self.engine.block_layout
+
+    @property
+    def keeps_received_blocks(self) -> bool:
+        """Whether blocks other targets send are kept (a host tier)."""
+        return self.engine.kv_store is not None and self.engine.kv_store.host is not None
+
+    def wrap_proposer(self, wrap: Callable[[object], T]) -> T:
+        """Replaces the engine's proposer with wrap(proposer), before serving (the target's mux of draft
+        streams); returns it."""
+        self.engine.proposer = wrap(self.engine.proposer)
+        return self.engine.proposer
 
     def abort(self, request_id: str, indices: list[int] | None = None) -> None:
         self._inbox.put(("abort", request_id, indices))
