@@ -58,20 +58,23 @@ class _Only:
 
 
 def serve_metrics(port: int, grpc_address: str, prefixes: tuple[str, ...] | None = None) -> None:
-    """/metrics on its own HTTP port (a daemon thread), on loopback when the service's gRPC address is loopback.
+    """/metrics on its own HTTP port (shared.metrics_server: a bounded daemon server), on loopback when the service's
+    gRPC address is loopback.
     `prefixes`: export only the families whose names start with one of them, plus the process_ / python_ ones
     (a process imports modules that define other services' families, which it never updates).
     A port already taken is logged as an error and serving goes on without /metrics."""
     import logging
 
-    from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+    from prometheus_client import REGISTRY, CollectorRegistry
+
+    from shared import metrics_server
     addr = "127.0.0.1" if grpc_address.startswith(("127.", "localhost")) else "0.0.0.0"
     registry = REGISTRY
     if prefixes is not None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Only(tuple(prefixes) + ("process_", "python_")))
     try:
-        start_http_server(port, addr=addr, registry=registry)
+        metrics_server.start(port, addr, registry)
     except OSError as e:
         logging.getLogger("upesi.metrics").error("cannot serve /metrics on %s:%d (%s); going on without it",
                                                  addr, port, e.strerror)

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("shared.errors", "shared.sampling_params", "shared.cache_dir", "shared.config", "shared.telemetry",
-              "shared.metrics", "shared.tensor_codec", "shared.model_files", "shared.tree")),
+              "shared.metrics", "shared.metrics_server", "shared.tensor_codec", "shared.model_files",
+              "shared.tree")),
     ("text", ("shared.tokenizer", "shared.detokenizer", "shared.text_output", "shared.tool_calls",
               "shared.tool_parsers", "shared.tool_stream", "shared.reasoning")),
     ("ops", ("shared.ops",)),

@@ -1,4 +1,5 @@
-"""serve_metrics with prefixes: a service exports the families it updates, not every family its imports define."""
+"""serve_metrics: a service exports the families it updates, not every family its imports define; the server is
+bounded in threads and closes idle connections."""
 from __future__ import annotations
 
 import time
@@ -33,3 +34,26 @@ def test_prefixes_limit_the_export_and_none_exports_all():
     assert "python_info" in text
     text = fetch(every)
     assert "upesi_draft_proposed_tokens_total" in text and "upesi_spec_draft_tokens_total" in text
+
+
+def test_the_server_is_bounded_and_idle_connections_time_out(monkeypatch):
+    import socket
+    import threading
+
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from shared import metrics_server
+    monkeypatch.setattr(metrics_server._Quiet, "timeout", 0.5)
+    registry = CollectorRegistry()
+    Gauge("upesi_probe", "a gauge to read back", registry=registry).set(7)
+    port = free_port()
+    metrics_server.start(port, "127.0.0.1", registry)
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]     # connect, send nothing
+    time.sleep(0.2)
+    assert threading.active_count() - before <= metrics_server.CONNECTIONS       # not a thread per socket
+    for s in idle:                                      # all closed by the server: at once, or after the timeout
+        s.settimeout(5)
+        assert s.recv(1) == b""
+        s.close()
+    assert "upesi_probe 7.0" in fetch(port)
