@@ -20,6 +20,7 @@ from shared.tool_parsers import ToolCall
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_PRIMITIVE = re.compile(r"[^,}\]\s]*")
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ def _value_end(s: str, i: int) -> int | None:
             elif s[j] == '"':
                 return j + 1
         return None
-    m = re.compile(r"[^,}\]\s]*").match(s, i)
+    m = _PRIMITIVE.match(s, i)
     return m.end() if m.end() < len(s) else None
 
 
