@@ -51,6 +51,7 @@ class BlockPublisher:
         self._pending = 0  # hashes waiting in _events
         self._enqueued = 0  # calls to stored()/removed() so far
         self._done = 0  # of those, how many the thread has handled
+        self._ready = False  # the thread made its first registration attempt
         self._flush_now = False
         self._stopping = False
         self._withdraw = True
@@ -98,8 +99,8 @@ class BlockPublisher:
             target = self._enqueued
             self._flush_now = True
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._done >= target or not self._alive(), timeout_s)
-            return self._done >= target
+            self._cond.wait_for(lambda: self._flushed(target) or not self._alive(), timeout_s)
+            return self._flushed(target)
 
     def stop(self, *, withdraw: bool = True, timeout_s: float = 5.0) -> None:
         """Publish what is queued and end the thread; `withdraw` also removes this replica from the index now,
@@ -115,6 +116,9 @@ class BlockPublisher:
         """Whether the registry last acknowledged our full set and lease."""
         return self._registered
 
+    def _flushed(self, target: int) -> bool:
+        return self._ready and self._done >= target
+
     def _alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -122,6 +126,9 @@ class BlockPublisher:
 
     def _loop(self) -> None:
         self._guarded(self._beat)  # register at once; events queued before start() follow as the first batch
+        with self._cond:
+            self._ready = True
+            self._cond.notify_all()
         next_beat = time.monotonic() + self._heartbeat_interval_s
         while True:
             with self._cond:
