@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """NVFP4 figures on the default model (SmolLM2-135M-Instruct GGUF): weight memory and bytes per parameter, and
-perplexity on a fixed held-out English text (tests/data/english.txt) for fp32, W4A16, W4A4 and the mixed policy;
+perplexity on a fixed held-out English text (tests/data/english.txt) for fp32, W4A16, W4A4, the mixed policy and,
+on CPUs with AVX512-VNNI, int8 activations (W4A8; the GGUF's own layers, then NVFP4);
 on CUDA also the Triton W4A16 kernel against a bf16 matmul of the same shape.
 
     .venv/bin/python bench/bench_nvfp4.py [--threads 2] [--budget 150MB] [--keep fp8] [--kernel-only]
@@ -38,12 +39,17 @@ SHAPES = [(1, 8192, 8192), (4, 8192, 8192), (16, 8192, 8192), (128, 8192, 8192),
 PEAK = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}   # HBM B/s, bf16 FLOP/s
 
 
-def perplexity(path: str, ids: list[int], act_quant: bool = False) -> float:
+def perplexity(path: str, ids: list[int], act_quant: bool = False, int8: bool = False) -> float:
+    """int8: the quantised layers on int8 activations for every row (qgemm_i8's wide-row path, which serving
+    takes for prefill chunks of 128 rows or more, switched off), the decode path's error on every position."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
+    from shared.ops import qgemm_i8
     from shared.quant.model_quant import set_act_quant
 
-    engine = LLMEngine(EngineConfig(model=path, progress=False, dtype="float32", num_kv_blocks=len(ids) // 16 + 2))
+    qgemm_i8.WIDE_ROWS = 1 << 30 if int8 else 128
+    engine = LLMEngine(EngineConfig(model=path, progress=False, dtype="float32", num_kv_blocks=len(ids) // 16 + 2,
+                                    int8_activations=int8))
     if act_quant and not set_act_quant(engine.runner.model, True):
         raise ValueError(f"{path} has no NVFP4 layers to quantise activations for")
     logits = engine.score(ids)                                             # [T, V]
@@ -78,9 +84,13 @@ def model_figures(args: argparse.Namespace) -> dict:
 
     ppl = {"fp32": perplexity(src, ids), "W4A16": perplexity(plain.out, ids),
            "W4A4": perplexity(plain.out, ids, act_quant=True), "mixed": perplexity(mixed.out, ids)}
+    from shared.ops import qgemm_i8
+    if qgemm_i8.available():                  # int8 activations (--int8-activations): the file's types, NVFP4
+        ppl["Q4_1 GGUF, int8 activations"] = perplexity(src, ids, int8=True)
+        ppl["W4A8"] = perplexity(plain.out, ids, int8=True)
     print(f"\nperplexity on {TEXT.relative_to(ROOT)} ({len(ids)} tokens)")
     for name, p in ppl.items():
-        print(f"{name:<8} {p:>8.3f} {100 * (p / ppl['fp32'] - 1):>+7.1f}%")
+        print(f"{name:<28} {p:>8.3f} {100 * (p / ppl['fp32'] - 1):>+7.1f}%")
     return {"params": params, "bytes": rows, "perplexity": ppl, "quantize_s": {"plain": t_plain, "auto": t_mixed}}
 
 

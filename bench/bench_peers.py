@@ -384,8 +384,9 @@ def main() -> None:
                     help="chat: four short questions; grounded: four edits of a given ~300-token text, whose "
                          "answers copy the prompt (bench/workloads.py)")
     ap.add_argument("--weights", nargs="*", default=[], help="stacks beside the default one: dequantised (or "
-                    "bf16: the GGUF dequantised to the stack's dtype at load; plain and default requests) and/or "
-                    "nvfp4:DIR (an NVFP4 checkpoint, plain requests)")
+                    "bf16: the GGUF dequantised to the stack's dtype at load; plain and default requests), int8 "
+                    "(the default stack with --int8-activations), nvfp4:DIR (an NVFP4 checkpoint) and "
+                    "nvfp4-int8:DIR (the same with --int8-activations); plain requests")
     ap.add_argument("--llamacpp-python", default=None, help="python of a llama-cpp-python install (measures "
                                                             "llama.cpp beside, single stream)")
     ap.add_argument("--llamacpp-model", default=None, help="GGUF file for llama.cpp (default: the default model)")
@@ -406,11 +407,16 @@ def main() -> None:
                 sides[f"upesi {dtype} weights plain"] = (stacks[-1], 0)
                 if not a.skip_spec:
                     sides[f"upesi {dtype} weights default"] = (stacks[-1], None)
-            elif w.startswith("nvfp4:"):
-                stacks.append(ServeStack(["--model", w.split(":", 1)[1], "--dtype", a.dtype]))
-                sides["upesi nvfp4 plain"] = (stacks[-1], 0)
+            elif w == "int8":
+                stacks.append(ServeStack([*serve, "--dtype", a.dtype, "--int8-activations"]))
+                sides["upesi int8-activations plain"] = (stacks[-1], 0)
+            elif w.split(":", 1)[0] in ("nvfp4", "nvfp4-int8"):
+                kind, path = w.split(":", 1)
+                stacks.append(ServeStack(["--model", path, "--dtype", a.dtype]
+                                         + (["--int8-activations"] if kind == "nvfp4-int8" else [])))
+                sides[f"upesi {kind} plain"] = (stacks[-1], 0)
             else:
-                ap.error(f"--weights takes dequantised and nvfp4:DIR, not {w!r}")
+                ap.error(f"--weights takes dequantised, int8, nvfp4:DIR and nvfp4-int8:DIR, not {w!r}")
         results.update(measure_stack(sides, a.loads, a.tokens, a.reps))
     finally:
         for stack in stacks:
@@ -445,7 +451,7 @@ def main() -> None:
                          f"{1e3 * x['cpu_s_per_tok']:.0f})".rjust(30))
         print(f"{name:34}" + "".join(cells))
     for name, r in results.items():
-        if "single" in r and name.startswith("upesi") and "weights" not in name and "nvfp4" not in name:
+        if "single" in r and name in ("upesi plain", "upesi default"):
             print(f"{name}: single stream at {r['single']['tok_s'] / bound:.0%} of the bandwidth bound")
     for name, r in results.items():
         if "tokens_per_step" in r.get("single", {}):

@@ -9,7 +9,8 @@ parts add up to slightly more than an untimed step, printed beside them. Through
 is `upesi_engine_step_seconds` on the target's /metrics; bench/bench_peers.py gives the tokens/s the client sees.
 
     .venv/bin/python bench/bench_step.py [--batch 1 4 32] [--dtype auto] [--steps 50] [--threads 2]
-        [--speculative eagle:models/eagle-smollm2-135m --tree-nodes 8] [--dequantise-gguf]
+        [--speculative eagle:models/eagle-smollm2-135m --tree-nodes 8] [--dequantise-gguf] [--model DIR]
+        [--int8-activations]
 
 Prints a table (ms per step) and one JSON line. Figures, not assertions.
 """
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 32])
     ap.add_argument("--dtype", default="auto", help="auto: what the services serve on this CPU")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--int8-activations", action="store_true", help="quantised layers on int8 activations (W4A8)")
+    ap.add_argument("--model", default=None, help="a checkpoint folder or .gguf (default: the bundled SmolLM2)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dequantise-gguf", action="store_true", help="the GGUF's layers dequantised at load (bf16 "
                                                                     "weights) instead of packed")
@@ -109,9 +112,11 @@ def main() -> None:
     from shared.engine.config import EngineConfig, serving_dtype
     from shared.spec.factory import build_engine
     dtype = serving_dtype(a.dtype, torch.device("cpu"))
-    eng = build_engine(EngineConfig(progress=False, dtype=dtype, num_threads=a.threads, speculative=a.speculative,
-                                    num_speculative_tokens=a.k, draft_tree_nodes=a.tree_nodes,
-                                    dequantise_gguf=a.dequantise_gguf))
+    eng = build_engine(EngineConfig(model=a.model, progress=False, dtype=dtype, num_threads=a.threads,
+                                    speculative=a.speculative, num_speculative_tokens=a.k,
+                                    draft_tree_nodes=a.tree_nodes,
+                                    dequantise_gguf=a.dequantise_gguf,
+                                    int8_activations=a.int8_activations))
     out = {}
     plains = {b: run(eng, b, a.steps, None) for b in a.batch}       # untimed first, then with the clocks on
     parts = timed_parts(eng)

@@ -81,6 +81,12 @@ def nvfp4_act_quant() -> Any:
     return option(False, "NVFP4 checkpoints: emulate W4A4 (quantise activations per block of 16)")
 
 
+def int8_activations() -> Any:
+    return option(False, "quantised layers (a GGUF's 4- and 8-bit types, NVFP4) multiply activations quantised to "
+                         "int8 per block (W4A8, as llama.cpp does; AVX512-VNNI): about 1.8x faster linears at one "
+                         "row, approximate (perplexity in docs/quantised-weights.md); default: exact bf16 activations")
+
+
 def dequantise_gguf() -> Any:
     return option(False, "GGUF files: dequantise their quantised layers to --dtype at load instead of serving the "
                          "codes as they are (4-bit layers then read 3x the bytes a step; for comparisons)")

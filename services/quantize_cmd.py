@@ -20,6 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "largest measured NVFP4 error are kept in bf16 while it fits")
     p.add_argument("--keep-precision", default="bf16", choices=["bf16", "fp8", "fp32"],
                    help="with --policy auto: the precision the most sensitive layers are kept in")
+    p.add_argument("--lm-head", default=None, choices=["nvfp4", "fp8", "bf16", "fp32"],
+                   help="the LM head's precision, over --policy (default bf16). A quantised head is written apart "
+                        "from the embeddings (untied): NVFP4 reads 3.6x fewer bytes a token, the largest single "
+                        "layer of small models; vLLM expects a high-precision head")
     p.add_argument("--act-quant", action="store_true",
                    help="W4A4: calibrate static activation scales (input_global_scale) and write an NVFP4 "
                         "(not NVFP4A16) config")
@@ -39,5 +43,5 @@ def main(args: argparse.Namespace) -> None:
             text = f.read()
     result = quantize(args.model, args.out, policy=args.policy, memory_budget=args.memory_budget,
                       keep=args.keep_precision, act_quant=args.act_quant, calibration=text,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, lm_head=args.lm_head)
     print(result.report())

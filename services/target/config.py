@@ -69,6 +69,7 @@ class TargetConfig(options.TLS):
     draft_tree_ngram: int | None = options.draft_tree_ngram()
     nvfp4_act_quant: bool = options.nvfp4_act_quant()
     dequantise_gguf: bool = options.dequantise_gguf()
+    int8_activations: bool = options.int8_activations()
     capture_hidden: bool = option(False, "keep every position's last hidden state beside its KV from the start "
                                          "(about 5% more memory than the KV cache), so that a prefix cached before "
                                          "an EAGLE draft service first connects still gives its head the prompt's "

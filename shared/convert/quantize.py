@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +70,16 @@ class QuantizeResult:
 
 def quantize(src: str | None, out: str, policy: str | None = None, memory_budget: str | int | None = None,
              keep: pol.Precision = "bf16", act_quant: bool = False, calibration: str | list[int] | None = None,
-             progress: bool = True) -> QuantizeResult:
+             progress: bool = True, lm_head: pol.Precision | None = None) -> QuantizeResult:
     """Writes the NVFP4 checkpoint of `src` (None = the default GGUF) to the folder `out`.
 
     policy: None (defaults: linears NVFP4, lm_head and embeddings bf16), a JSON/YAML rule file, or "auto" with
     memory_budget (bytes or "120MB"): the most sensitive units are kept in `keep` precision while they fit.
     act_quant: also calibrate input_global_scale and write a W4A4 (NVFP4) config instead of NVFP4A16.
     calibration: text or token ids for the auto policy / act_quant (default: a built-in held-out text,
-    tokenised with the source's tokenizer). Raises PolicyError for a policy or budget that cannot be used.
+    tokenised with the source's tokenizer). lm_head: the LM head's precision, over the policy; a head tied to the
+    embeddings and quantised is written untied (the embeddings stay bf16 / fp32 for the lookup).
+    Raises PolicyError for a policy or budget that cannot be used.
     """
     t0 = time.perf_counter()
     src = resolve_model_path(src)
@@ -86,8 +88,14 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
         raise pol.PolicyError(f"{src} is already quantised; quantize its full-precision original")
     if (memory_budget is not None) != (policy == "auto"):
         raise pol.PolicyError("--memory-budget goes with --policy auto, and --policy auto needs a --memory-budget")
-    units = _units(cfg)                                          # unit -> (checkpoint names, rows, in features)
     rules = pol.DEFAULT_RULES + (pol.load_rules(policy) if policy not in (None, "auto") else [])
+    rules += [("lm_head", lm_head)] if lm_head is not None else []
+    if cfg.tie_word_embeddings and pol.precision_of("lm_head", rules) in ("nvfp4", "fp8"):
+        cfg = replace(cfg, tie_word_embeddings=False)             # the head gets its own (quantised) tensors
+        untied = True
+    else:
+        untied = False
+    units = _units(cfg)                                          # unit -> (checkpoint names, rows, in features)
     chosen, notes = pol.resolve({u: v[0] for u, v in units.items()}, rules)
     for u, (_, _, k) in units.items():            # NVFP4 blocks run along K in 16s: a narrower K cannot be packed
         if chosen[u] == "nvfp4" and k % 16:
@@ -111,7 +119,7 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
         ids = calibration if isinstance(calibration, list) else tokenizer.encode(calibration or pol.CALIBRATION_TEXT)
         if not ids:
             raise pol.PolicyError("the calibration text is empty")
-        targets = {u: v[:2] for u, v in units.items() if chosen[u] == "nvfp4"}
+        targets = {u: v[:2] for u, v in units.items() if chosen[u] == "nvfp4" and u != "lm_head"}  # head: no hook
         found, quantised, model = measure(src, targets, ids, act_quant)
         weights = _model_weights(model, units)          # the loaded model, not a second read of the checkpoint
     if policy == "auto":
@@ -124,6 +132,7 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     layers[pol.EMBEDDINGS] = pol.precision_of(pol.EMBEDDINGS, rules)
     amax = {n: found[u].input_amax for u, (names, _, _) in units.items() for n in names if u in found}
     weights = weights if weights is not None else _our_names(iter_weights(src, cfg, progress=False), cfg)
+    weights = _with_head(weights) if untied and not calibrate else weights
     tensors = _convert(weights, cfg, layers, amax if act_quant else {}, quantised, progress)
 
     os.makedirs(out, exist_ok=True)
@@ -187,6 +196,19 @@ def _our_names(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) ->
         for old, new in renames:
             name = name.replace(old, new)
         yield name, w
+
+
+def _with_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A tied checkpoint's tensors plus `lm_head.weight`, the embeddings' copy (a checkpoint that has one keeps it)."""
+    embed, head = None, False
+    for name, w in weights:
+        embed = w if name == f"{pol.EMBEDDINGS}.weight" else embed
+        head = head or name == "lm_head.weight"
+        yield name, w
+    if not head:
+        if embed is None:
+            raise pol.PolicyError("the checkpoint has neither an LM head nor embeddings to quantise it from")
+        yield "lm_head.weight", embed
 
 
 def _tokenizer(src: str):
@@ -266,6 +288,7 @@ def _write_config(src: str, cfg: ModelConfig, out: str, layers: dict[str, pol.Pr
               "hidden_act": "silu", "dtype": "bfloat16"}
     else:
         hf = json.loads(Path(src, "config.json").read_text())
+        hf["tie_word_embeddings"] = cfg.tie_word_embeddings           # False where the head was quantised apart
     qc = quantization_config(layers, act_quant)
     if qc is not None:
         hf["quantization_config"] = qc

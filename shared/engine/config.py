@@ -56,6 +56,7 @@ class EngineConfig:
     draft_kv_blocks: int = 512            # KV blocks of a draft model
     nvfp4_act_quant: bool = False         # NVFP4 checkpoints: emulate W4A4 (activations quantised per block of 16)
     dequantise_gguf: bool = False         # GGUF files: quantised layers dequantised at load (default: kept packed)
+    int8_activations: bool = False        # quantised layers multiply int8-quantised activations (W4A8, approximate)
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_tokens,

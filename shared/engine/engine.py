@@ -60,7 +60,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         window = load_config(self.model_path, cfg.hf_overrides).max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or window, window)
         model, self.model_cfg = build_model(self.model_path, self.max_model_len, dtype, device, cfg.progress,
-                                            cfg.hf_overrides, packed=not cfg.dequantise_gguf)
+                                            cfg.hf_overrides, packed=not cfg.dequantise_gguf,
+                                            int8_activations=cfg.int8_activations)
         if cfg.nvfp4_act_quant and not set_act_quant(model, True):
             raise ValueError(f"W4A4 was asked for but {self.model_path} has no NVFP4 layers (quantize it first)")
         per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg.block_size, dtype, model)

@@ -211,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
 
 def _build_stack(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> decoder_bf16.DecoderStack | None:
     def rows_packed(m: nn.Module) -> bool:       # bf16 panels, or codes for shared.ops.qgemm (GGUF, NVFP4 layers)
-        return isinstance(getattr(m, "packed", None), (decoder_bf16.RowsWeightBF16, decoder_bf16.QWeight))
+        return isinstance(getattr(m, "packed", None), (decoder_bf16.RowsWeightBF16, decoder_bf16.QWeight,
+                                                       decoder_bf16.QWeightI8))
 
     cfg = model.cfg
     k0 = kv_caches[0][0]

@@ -20,7 +20,7 @@ from shared.model_files import is_gguf
 from shared.ops.packed_linear import pack_linears
 from shared.ops.rope import rope_tables
 from shared.quant.gguf_packing import pack_gguf_linears
-from shared.quant.model_quant import apply_quantization
+from shared.quant.model_quant import apply_quantization, set_int8_activations
 
 ARCHITECTURES: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -53,10 +53,11 @@ def check_architecture(path: str) -> None:
 
 def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.device | str,
                 progress: bool = True, overrides: dict[str, Any] | None = None,
-                packed: bool = True) -> tuple[nn.Module, ModelConfig]:
+                packed: bool = True, int8_activations: bool = False) -> tuple[nn.Module, ModelConfig]:
     """Builds the registered architecture for the checkpoint at `path` (its config with `overrides`,
     shared.model.loader.load_config) and loads its weights. packed=False dequantises a GGUF file's quantised
-    layers to `dtype` instead of keeping them packed (shared.quant.gguf_packing)."""
+    layers to `dtype` instead of keeping them packed (shared.quant.gguf_packing); int8_activations runs the
+    block-quantised layers on int8 activations (shared.ops.qgemm_i8; raises ValueError where none would)."""
     check_architecture(path)
     cfg = load_config(path, overrides)
     factory = ARCHITECTURES[cfg.architecture]
@@ -65,6 +66,9 @@ def build_model(path: str, max_len: int, dtype: torch.dtype, device: torch.devic
     consume = apply_quantization(model, cfg.extra, path)   # quantised checkpoints: swap layers, take their tensors
     if is_gguf(path) and packed and torch.device(device).type == "cpu":   # GGUF quant types stay packed (CPU)
         consume = pack_gguf_linears(model, gguf_quant_types(path, cfg), tied_head=cfg.tie_word_embeddings)
+    if int8_activations and not set_int8_activations(model):
+        raise ValueError("int8 activations need block-quantised layers (a quantised GGUF, an NVFP4 checkpoint) and "
+                         "a CPU with AVX512-VNNI and AVX512-BF16; this model or machine has neither")
     model = model.to_empty(device="cpu")          # no random init: every weight comes from the checkpoint
     model.rope_cos, model.rope_sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
     if cfg.tie_word_embeddings and type(model.lm_head) is nn.Linear:     # (a packed head has its own codes)

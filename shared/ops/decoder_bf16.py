@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.ops import c_build, cpu_attention, prefill_attention, qgemm, rms_norm, rows_gemm_bf16
+from shared.ops import c_build, cpu_attention, prefill_attention, qgemm, qgemm_i8, rms_norm, rows_gemm_bf16
 from shared.ops.cpu_features import cpu_flags
 from shared.ops.paged_attention import AttentionMetadata
 from shared.ops.qgemm import QWeight
+from shared.ops.qgemm_i8 import QWeightI8
 from shared.ops.rows_gemm_bf16 import RowsWeightBF16
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -91,26 +92,28 @@ class LayerWeights:
     """One decoder layer as the C stack reads it: norms [D], packed linears (+ biases), the layer's KV cache. A
     linear is bf16 panels (rows_gemm_bf16) or block-quantised (qgemm), each layer's own choice."""
     norm1: torch.Tensor
-    qkv: RowsWeightBF16 | QWeight
+    qkv: RowsWeightBF16 | QWeight | QWeightI8
     qkv_bias: torch.Tensor | None
-    o: RowsWeightBF16 | QWeight
+    o: RowsWeightBF16 | QWeight | QWeightI8
     o_bias: torch.Tensor | None
     norm2: torch.Tensor
-    gate_up: RowsWeightBF16 | QWeight
+    gate_up: RowsWeightBF16 | QWeight | QWeightI8
     gate_up_bias: torch.Tensor | None
-    down: RowsWeightBF16 | QWeight
+    down: RowsWeightBF16 | QWeight | QWeightI8
     down_bias: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     window: int | None = None              # sliding window of the layer's attention
 
 
-def _weight(w: RowsWeightBF16 | QWeight) -> torch.Tensor:
+def _weight(w: RowsWeightBF16 | QWeight | QWeightI8) -> torch.Tensor:
     """What the GEMM of `w` takes as its weight: bf16 panels, or a quantised weight's descriptor."""
-    return w.desc if isinstance(w, QWeight) else w.panels
+    return w.desc if isinstance(w, (QWeight, QWeightI8)) else w.panels
 
 
-def _gemm(w: RowsWeightBF16 | QWeight) -> int:
+def _gemm(w: RowsWeightBF16 | QWeight | QWeightI8) -> int:
+    if isinstance(w, QWeightI8):
+        return qgemm_i8.kernel_address()
     return qgemm.kernel_address() if isinstance(w, QWeight) else rows_gemm_bf16.kernel_address()
 
 

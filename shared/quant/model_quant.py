@@ -267,3 +267,16 @@ def set_act_quant(model: nn.Module, on: bool) -> int:
     for m in layers:
         m.act_quant = on
     return len(layers)
+
+
+def set_int8_activations(model: nn.Module) -> int:
+    """Opts every block-quantised layer (NVFP4, GGUF's types kept packed) into int8 activations (shared.ops.qgemm_i8,
+    W4A8 / W8A8), before its weights load; returns how many layers take it (0 where the kernel does not run here)."""
+    from shared.ops import qgemm_i8
+    from shared.quant.quant_linear import QuantLinear
+    if not qgemm_i8.available():
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, (NVFP4Linear, QuantLinear))]
+    for m in layers:
+        m.int8_activations = True
+    return len(layers)

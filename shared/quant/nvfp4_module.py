@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.ops import qgemm
+from shared.ops import qgemm, qgemm_i8
 from shared.ops.block_quant import BlockQuant
 from shared.ops.qgemm import QWeight
+from shared.ops.qgemm_i8 import QWeightI8
 from shared.quant.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, NVFP4ShapeError, NVFP4Weight, e2m1_decode, fake_quantise
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -100,15 +101,23 @@ class NVFP4Linear(_PackedLinear):
                              torch.ones(s, dtype=torch.float32, device=device) if input_scales else None)
         self._cache: list[NVFP4Weight] | None = None
         self._shared_input_scale: bool | None = None
-        self._packed: QWeight | None = None
+        self._packed: QWeight | QWeightI8 | None = None
+        self.int8_activations = False      # opt-in W4A8: shared.ops.qgemm_i8 where it runs
 
     @property
-    def packed(self) -> QWeight | None:
-        """The codes laid out for shared.ops.qgemm (built at first use), or None where that kernel does not serve
-        this layer (W4A4, another device, no kernel on this CPU)."""
-        if self.act_quant or self.weight_packed.device.type != "cpu" or not qgemm.available():
+    def packed(self) -> QWeight | QWeightI8 | None:
+        """The codes laid out for shared.ops.qgemm, or for shared.ops.qgemm_i8 with int8_activations (built at
+        first use), or None where neither kernel serves this layer (W4A4, another device, no kernel on this CPU)."""
+        if self.act_quant or self.weight_packed.device.type != "cpu":
             return None
-        if self._packed is None:
+        if self._packed is None and self.int8_activations and qgemm_i8.available():
+            n, k = self.out_features, self.in_features          # fp8 scales (exact in fp16), 1 / global per column
+            codes = torch.stack((self.weight_packed & 0xF, self.weight_packed >> 4), dim=-1).view(n, k)
+            gs = torch.cat([self.weight_global_scale[i].expand(r) for i, r in enumerate(self.segments)])
+            lut = e2m1_decode(torch.arange(16, dtype=torch.uint8))
+            bq = BlockQuant(codes.contiguous(), self.weight_scale.float(), None, BLOCK_SIZE, 4, lut)
+            self._packed = QWeightI8(bq, 1.0 / gs)
+        elif self._packed is None and qgemm.available():
             self._packed = QWeight(self.block_quant())
         return self._packed
 
@@ -165,6 +174,8 @@ class NVFP4Linear(_PackedLinear):
             return self.forward_triton(x)
         packed = self.packed if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
         if packed is not None and not (torch.is_grad_enabled() and x.requires_grad):
+            if isinstance(packed, QWeightI8):
+                return qgemm_i8.linear(x, packed, self.bias)
             return qgemm.linear(x, packed, self.bias)
         xf = x.float()                                                      # [..., K]
         w = self.dequantise(torch.float32)                                  # [N, K]

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.ops import qgemm
+from shared.ops import qgemm, qgemm_i8
 from shared.ops.packed_linear import PackedLinear
 from shared.ops.block_quant import BlockQuant
 from shared.ops.qgemm import QWeight
+from shared.ops.qgemm_i8 import QWeightI8
 
 
 class QuantLinear(PackedLinear):
@@ -29,7 +30,8 @@ class QuantLinear(PackedLinear):
         self.out_features = sum(self.segments)
         self.bias = nn.Parameter(torch.empty(self.out_features, device=device)) if bias else None
         self.keep_weight = False
-        self.packed: QWeight | None = None
+        self.packed: QWeight | QWeightI8 | None = None
+        self.int8_activations = False      # opt-in W4A8 / W8A8: shared.ops.qgemm_i8 where it runs
         self.packed_nbytes = 0
         self._parts: dict[int, BlockQuant] = {}
 
@@ -45,7 +47,8 @@ class QuantLinear(PackedLinear):
     def finish(self) -> None:
         if len(self._parts) != len(self.segments):
             raise ValueError(f"a quantised layer got {len(self._parts)} of its {len(self.segments)} segments")
-        self.packed = QWeight(BlockQuant.cat([self._parts[i] for i in range(len(self.segments))]))
+        bq = BlockQuant.cat([self._parts[i] for i in range(len(self.segments))])
+        self.packed = QWeightI8(bq) if self.int8_activations and qgemm_i8.available() else QWeight(bq)
         self.packed_nbytes = self.packed.nbytes
         self._parts = {}
 
@@ -59,6 +62,8 @@ class QuantLinear(PackedLinear):
             raise RuntimeError("this QuantLinear holds no weight (not loaded, or released to expert shards)")
         if x.device.type != "cpu" or not qgemm.available():
             return F.linear(x, self.packed.dequantise().to(device=x.device, dtype=x.dtype), self.bias)
+        if isinstance(self.packed, QWeightI8):
+            return qgemm_i8.linear(x, self.packed, self.bias)
         return qgemm.linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
