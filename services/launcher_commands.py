@@ -105,7 +105,8 @@ def children(cfg: ServeConfig) -> list[Child]:
     overrides = ["--hf-overrides", cfg.hf_overrides] if cfg.hf_overrides else []     # targets' and shards' models
     registry = ["--registry", cfg.registry] if cfg.registry else []
     placement = ["--expert-placement", cfg.expert_placement] if cfg.expert_placement else []
-    quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # targets and shards alike
+    quant = ["--nvfp4-act-quant"] if cfg.nvfp4_act_quant else []            # shards (targets: forwarded)
+    quant += ["--int8-activations"] if cfg.int8_activations else []
     out = []
     # the shards share this machine's cores with the target
     shard_threads = str(cfg.num_threads or max(1, (os.cpu_count() or 1) // (cfg.expert_shards + 1)))

@@ -24,6 +24,7 @@ class ExpertsConfig(options.ServerTLS):
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     progress: bool = option(False, "show a progress bar while reading the checkpoint")
     nvfp4_act_quant: bool = options.nvfp4_act_quant()
+    int8_activations: bool = options.int8_activations()
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:

@@ -37,7 +37,7 @@ async def serve(cfg: ExpertsConfig) -> None:
     placement = load_placement(cfg.expert_placement, cfg.num_shards,
                                num_routed_experts(load_config(path, overrides)))
     shard = ExpertShard(path, placement, cfg.shard_index, cfg.torch_dtype(), cfg.torch_device(), cfg.progress,
-                        cfg.nvfp4_act_quant, overrides)
+                        cfg.nvfp4_act_quant, overrides, cfg.int8_activations)
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.address, EXPORTED)
     service = Service("upesi.v1.Experts", ExpertsServicer(shard), experts_pb2_grpc.add_ExpertsServicer_to_server)

@@ -70,9 +70,10 @@ def _columns(leaf: str, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return t                                     # FP8 per-row scale [D, 1], global scales, bias
 
 
-def fused_linear(parts: list[Leaves], act_quant: bool, name: str) -> torch.Tensor | nn.Module:
+def fused_linear(parts: list[Leaves], act_quant: bool, name: str, int8: bool = False) -> torch.Tensor | nn.Module:
     """Checkpoint layers stacked along N (gate then up, or down alone) -> a float weight [N, K] or a packed module.
-    The layers of one fused unit share their precision (`upesi quantize` promotes them together)."""
+    The layers of one fused unit share their precision (`upesi quantize` promotes them together). int8: GGUF and
+    NVFP4 layers on int8 activations (shared.ops.qgemm_i8), as the targets' with --int8-activations."""
     kinds = {"nvfp4" if "weight_packed" in p else "gguf" if isinstance(p.get("weight"), BlockQuant)
              else "fp8" if is_quantised(p) else "float" for p in parts}
     if len(kinds) > 1:
@@ -80,6 +81,7 @@ def fused_linear(parts: list[Leaves], act_quant: bool, name: str) -> torch.Tenso
     kind = kinds.pop()
     if kind == "gguf":
         module = QuantLinear(parts[0]["weight"].shape[1], [p["weight"].shape[0] for p in parts])
+        module.int8_activations = int8
         for i, p in enumerate(parts):
             module.load_segment(i, p["weight"], name)
         return module
@@ -96,6 +98,7 @@ def fused_linear(parts: list[Leaves], act_quant: bool, name: str) -> torch.Tenso
     ws = [load_compressed_tensors(p, "") for p in parts]
     module = NVFP4Linear(ws[0].in_features, [w.out_features for w in ws], act_quant=act_quant,
                          input_scales=ws[0].input_global_scale is not None)
+    module.int8_activations = int8
     for i, w in enumerate(ws):
         module.load_segment(i, w, name)
     return module

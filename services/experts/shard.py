@@ -27,7 +27,7 @@ from shared.model.config import ModelConfig
 from shared.model.loader import iter_weights, load_config
 from shared.model.placement import Placement, Unit, dense_slice, num_routed_experts
 from shared.model_files import resolve_model_path
-from shared.ops import qgemm
+from shared.ops import qgemm, qgemm_i8
 from shared.ops.packed_linear import PackedLinear, packable
 from shared.ops.block_quant import BlockQuant
 from shared.quant.gguf_blocks import GGUFRaw
@@ -93,10 +93,10 @@ def ffn_forward(units: Mapping[int, FfnUnit], hidden: torch.Tensor, unit_ids: to
 
 
 def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], bool], num_slices: int,
-               progress: bool = False, act_quant: bool = False) -> dict[Unit, FfnUnit]:
+               progress: bool = False, act_quant: bool = False, int8: bool = False) -> dict[Unit, FfnUnit]:
     """Streams the checkpoint tensor by tensor (only the FFN tensors of wanted units are read or dequantised) and
     keeps the units `wanted(layer, unit, dense)` accepts; dense FFNs are cut into `num_slices` slices. Quantised
-    layers stay packed (act_quant: their NVFP4 layers emulate W4A4)."""
+    layers stay packed (act_quant: their NVFP4 layers emulate W4A4; int8: they run on int8 activations)."""
     def keep(name: str) -> bool:
         if (m := _EXPERT.fullmatch(name)) and int(m[1]) < cfg.num_layers:
             return wanted(int(m[1]), int(m[2]), False)
@@ -139,8 +139,8 @@ def read_units(path: str, cfg: ModelConfig, wanted: Callable[[int, int, bool], b
             raise ValueError(f"checkpoint {path}: layer {unit[0]} unit {unit[1]} lacks the weights of {missing}")
         bias = torch.cat([p["gate.bias"], p["up.bias"]]) if "gate.bias" in p else None
         name = f"layer {unit[0]} unit {unit[1]}"
-        units[unit] = FfnUnit(packed.fused_linear([leaves["gate"], leaves["up"]], act_quant, f"{name} gate/up"),
-                              packed.fused_linear([leaves["down"]], act_quant, f"{name} down"), bias,
+        gate_up = packed.fused_linear([leaves["gate"], leaves["up"]], act_quant, f"{name} gate/up", int8)
+        units[unit] = FfnUnit(gate_up, packed.fused_linear([leaves["down"]], act_quant, f"{name} down", int8), bias,
                               p.get("down.bias"))
     return units
 
@@ -150,14 +150,14 @@ class ExpertShard:
 
     def __init__(self, model: str | None, placement: Placement, shard_index: int, dtype: torch.dtype,
                  device: torch.device, progress: bool = False, act_quant: bool = False,
-                 hf_overrides: dict | None = None) -> None:
+                 hf_overrides: dict | None = None, int8_activations: bool = False) -> None:
         self.path = resolve_model_path(model)
         self.cfg = load_config(self.path, hf_overrides)       # the targets' --hf-overrides, so both read one config
         qc = self.cfg.extra.get("quantization_config")
         if qc and qc.get("quant_method") != "compressed-tensors":
             raise ValueError(f"{self.path}: quantization method {qc.get('quant_method')!r} is not served by expert "
                              "shards (compressed-tensors NVFP4 / FP8 only)")
-        self.act_quant = act_quant
+        self.act_quant, self.int8 = act_quant, int8_activations and qgemm_i8.available()
         if placement.num_experts != num_routed_experts(self.cfg):
             raise ValueError(f"the placement has {placement.num_experts} experts per layer, the model "
                              f"{num_routed_experts(self.cfg)}")
@@ -167,7 +167,7 @@ class ExpertShard:
         self.dispatches = self.slots = 0
         t0 = time.perf_counter()
         self._add(read_units(self.path, self.cfg, lambda layer, u, d: placement.holds(shard_index, layer, u, d),
-                             placement.num_shards, progress, act_quant))
+                             placement.num_shards, progress, act_quant, self.int8))
         if not self.layers:
             raise ValueError(f"shard {shard_index} of {placement.num_shards} holds nothing of {self.path}: no FFN "
                              "tensors placed on it were found in the checkpoint")
@@ -196,7 +196,7 @@ class ExpertShard:
         if not want:
             return 0
         found = read_units(self.path, self.cfg, lambda layer, u, d: (layer, u) in want, self.placement.num_shards,
-                           self.progress, self.act_quant)
+                           self.progress, self.act_quant, self.int8)
         if want - found.keys():
             raise InvalidRequest(f"the checkpoint has no FFN unit (layer, expert) {sorted(want - found.keys())[:8]}")
         self._add(found)

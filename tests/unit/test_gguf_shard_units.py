@@ -10,7 +10,7 @@ from services.experts.shard import ExpertShard
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.model.placement import Placement
-from shared.ops import qgemm
+from shared.ops import qgemm, qgemm_i8
 from shared.quant.quant_linear import QuantLinear
 from shared.testing.gguf_files import write_gguf
 from shared.testing.moe_checkpoints import save_tiny
@@ -53,3 +53,20 @@ def test_olmoe_q4_experts_on_two_shards_equal_the_packed_model(tmp_path):
         got = sum(sh.forward(0, x, flat[flat // 32 == i].int(), w.reshape(-1)[flat // 32 == i],
                              rows[flat // 32 == i]) for i, sh in enumerate(shards))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not qgemm_i8.available(), reason="needs AVX512-VNNI")
+def test_int8_activation_slices_sum_to_the_layer_on_int8_activations(model_path):
+    """Slices cut on blocks quantise each block of x as the whole layer does, so they sum to its W4A8 result."""
+    eng = LLMEngine(EngineConfig(model=model_path, progress=False, num_kv_blocks=16, int8_activations=True))
+    shards = [ExpertShard(model_path, Placement(2), i, torch.float32, torch.device("cpu"), int8_activations=True)
+              for i in range(2)]
+    assert isinstance(shards[1].layers[3][1].down.packed, qgemm_i8.QWeightI8)
+    x = torch.randn(3, eng.model_cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids = torch.zeros(3, dtype=torch.int32)
+    with torch.inference_mode():
+        want = eng.runner.model.layers[3].mlp(x)
+        got = sum(sh.forward(3, x, ids + i) for i, sh in enumerate(shards))
+        exact = shards[0].__class__(model_path, Placement(1), 0, torch.float32, torch.device("cpu")).forward(3, x, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert (exact - want).abs().max() > 1e-3 * want.abs().max()                     # int8 activations in effect
