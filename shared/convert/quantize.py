@@ -90,11 +90,8 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
         raise pol.PolicyError("--memory-budget goes with --policy auto, and --policy auto needs a --memory-budget")
     rules = pol.DEFAULT_RULES + (pol.load_rules(policy) if policy not in (None, "auto") else [])
     rules += [("lm_head", lm_head)] if lm_head is not None else []
-    if cfg.tie_word_embeddings and pol.precision_of("lm_head", rules) in ("nvfp4", "fp8"):
-        cfg = replace(cfg, tie_word_embeddings=False)             # the head gets its own (quantised) tensors
-        untied = True
-    else:
-        untied = False
+    untied = cfg.tie_word_embeddings and pol.precision_of("lm_head", rules) in ("nvfp4", "fp8")
+    cfg = replace(cfg, tie_word_embeddings=False) if untied else cfg     # a quantised head gets its own tensors
     units = _units(cfg)                                          # unit -> (checkpoint names, rows, in features)
     chosen, notes = pol.resolve({u: v[0] for u, v in units.items()}, rules)
     for u, (_, _, k) in units.items():            # NVFP4 blocks run along K in 16s: a narrower K cannot be packed
