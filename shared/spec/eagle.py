@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.llama import MLP, RMSNorm
-from shared.ops import qgemm
+from shared.ops import qgemm, qgemm_i8
 from shared.ops.block_quant import BlockQuant
 from shared.ops.qgemm import QWeight
 from shared.ops.packed_linear import pack_linears, pack_weight, packable, packed_linear
@@ -80,7 +80,7 @@ class EagleHead(nn.Module):
         self.final_norm: nn.Module | None = None
         self.head_rows: torch.Tensor | None = None      # [N, D], the LM head's rows of the reduced vocab
         self.packed_rows: torch.Tensor | None = None    # head_rows prepacked (serving in bf16 on CPU: `pack`)
-        self.int8_rows: QWeight | None = None           # or as int8 blocks (`pack(int8_head=True)`)
+        self.int8_rows: QWeight | qgemm_i8.QWeightI8 | None = None   # or int8 blocks (`pack(int8_head=True)`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -93,15 +93,17 @@ class EagleHead(nn.Module):
     def pack(self, int8_head: bool = False) -> None:
         """Serving only (not trainable after): bf16 CPU weights prepacked for oneDNN (shared.ops.packed_linear),
         bit-identical and about 2x faster; a no-op elsewhere. int8_head: the LM head's rows (the largest read of a
-        draft pass) as int8 blocks of 32 for the quantised rows kernel (shared.ops.qgemm), half the bytes; the
-        drafts then follow slightly different logits, which is the head's own business (q is what it used)."""
+        draft pass) as int8 blocks of 32, half the bytes, multiplied on int8 activations (shared.ops.qgemm_i8)
+        where that kernel runs, else by the quantised rows kernel (shared.ops.qgemm); the drafts then follow
+        slightly different logits, which is the head's own business (q is what it used)."""
         pack_linears(self)
         rows = self.head_rows
         if rows is None:
             return
         if (int8_head and rows.device.type == "cpu" and rows.dtype == torch.bfloat16 and rows.shape[0] % 32 == 0
-                and rows.shape[1] % 32 == 0 and qgemm.available()):
-            self.int8_rows = QWeight(BlockQuant.int8(rows))
+                and rows.shape[1] % 32 == 0 and qgemm.available()):                # int8 activations too, where
+            bq = BlockQuant.int8(rows)                                               # they run: 2x at one row
+            self.int8_rows = qgemm_i8.QWeightI8(bq) if qgemm_i8.available() else QWeight(bq)
         elif packable(rows):
             self.packed_rows = pack_weight(rows)
 
@@ -140,6 +142,8 @@ class EagleHead(nn.Module):
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """feats [..., D] (this head's feature space) -> logits over the reduced vocab [..., N] in fp32."""
         x = feats if self.cfg.post_norm else self.final_norm(feats)
+        if isinstance(self.int8_rows, qgemm_i8.QWeightI8):
+            return qgemm_i8.linear(x, self.int8_rows, out=torch.float32)
         if self.int8_rows is not None:
             return qgemm.linear(x, self.int8_rows).float()
         if self.packed_rows is not None:
