@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import os
 import types
 import typing
@@ -60,9 +61,37 @@ def _parse_bool(v: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
 
 
+# --help's sections, in order: a field goes to the first whose patterns (fnmatch) match its name, else "other options"
+HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model and hardware", ("model", "hf_overrides", "dtype", "device", "*num_threads", "wide_threads",
+                            "max_num_seqs", "max_model_len", "kv_cache_gb", "served_model_name", "chat_template",
+                            "*_parser", "progress")),
+    ("addresses and ports", ("address", "http_*", "*_address", "*_port", "*_replicas", "target", "targets",
+                             "prefill_target", "replica_id", "target_wait_s", "ready_timeout_s")),
+    ("scheduling", ("block_size", "num_kv_blocks", "prefill_*", "enable_prefix_caching", "stream_interval",
+                    "max_num_batched_tokens")),
+    ("speculative decoding", ("speculative*", "draft*", "num_speculative_tokens", "*speculation*", "proposer")),
+    ("quantised weights", ("*act_quant", "dequantise_gguf", "int8_activations")),
+    ("KV cache tiers, prefix registry, KV transfer", ("kv_*", "registry", "capture_hidden")),
+    ("expert parallelism", ("expert*", "*shard*", "rebalance_*")),
+    ("security and limits", ("tls_*", "*api_key*", "cache_secret", "grpc_*", "max_*", "default_max_tokens",
+                             "*_timeout_s")),
+)
+
+
+def _title(name: str) -> str:
+    return next((t for t, pats in HELP_GROUPS if any(fnmatch.fnmatchcase(name, p) for p in pats)), "other options")
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """A flag for every field of `cls`, in --help's sections (HELP_GROUPS)."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    fields = dataclasses.fields(cls)
+    titles = {f.name: _title(f.name) for f in fields}
+    groups = {t: parser.add_argument_group(t) for t in [t for t, _ in HELP_GROUPS] + ["other options"]
+              if t in titles.values()}
+    for f in fields:
+        group = groups[titles[f.name]]
         tp = _base_type(hints[f.name])
         env = env_name(f.name)
         default = os.environ.get(env, f.default)
@@ -73,15 +102,15 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f"{text} (env {env}; default: {shown})"
         flag = "--" + f.name.replace("_", "-")
         if tp is bool:
-            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=_parse_bool(default),
-                                help=help_text)
+            group.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=_parse_bool(default),
+                               help=help_text)
         elif tp is list or typing.get_origin(tp) is list:
-            parser.add_argument(flag, default=default, help=help_text,
-                                type=lambda s: [x for x in s.split(",") if x])
+            group.add_argument(flag, default=default, help=help_text,
+                               type=lambda s: [x for x in s.split(",") if x])
         else:
             # a string default (an UPESI_* value) is converted by argparse only when this (sub)command is parsed,
             # so another command's variable of the same name never breaks this one
-            parser.add_argument(flag, type=tp, default=default, help=help_text)
+            group.add_argument(flag, type=tp, default=default, help=help_text)
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:

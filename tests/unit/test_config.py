@@ -52,6 +52,20 @@ def test_every_command_has_a_help_page(capsys, command):
     assert f"usage: upesi {command}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["serve", "router", "target", "draft", "experts"])
+def test_help_pages_put_every_flag_in_a_named_section(capsys, command):
+    """--help starts with the model and hardware flags and files every other one under a subject (HELP_GROUPS)."""
+    from services.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser(only=command).parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    sections = [line.rstrip(":") for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert "other options" not in sections, out
+    if command in ("serve", "target"):
+        assert sections[1:3] == ["model and hardware", "addresses and ports"]
+        assert out.index("--model ") < out.index("--dtype ") < out.index("--speculative ")
+
+
 def test_hf_overrides_are_a_json_object():
     from shared.engine.config import parse_hf_overrides
     from services.target.config import TargetConfig
