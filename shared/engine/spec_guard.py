@@ -4,8 +4,8 @@ A verification step carries a sequence's drafts as extra rows. Where the target'
 one row, those rows come nearly free and speculation pays; where they are bound by arithmetic (small CPUs, packed
 4-bit layers on AVX2) a step of six rows can cost close to six plain steps, and speculation loses. Which case holds
 depends on the machine, the weights and the load, so the engine measures it: for each number of decoding sequences,
-the seconds per emitted token of speculative steps and of plain steps (exponential averages), and it speculates while
-that is the cheaper. Every PROBE_EVERY steps it takes the other kind, so both figures stay current.
+the seconds per emitted token of speculative steps and of plain steps (the ratio of exponential averages of a step's
+seconds and of its tokens), and it speculates while that is the cheaper. Every PROBE_EVERY steps it takes the other kind, so both figures stay current.
 
 Only steps whose sequences all decode count (a prefill's rows would swamp them). Greedy output is the same either way
 and sampled output keeps its distribution, so the choice changes speed only.
@@ -20,13 +20,22 @@ WEIGHT = 0.25          # weight of a new step in the averages
 
 @dataclass(slots=True)
 class SpecGuard:
-    cost: dict[tuple[int, bool], float] = field(default_factory=dict)   # (decoding seqs, speculated) -> s / token
+    # (decoding seqs, speculated) -> (seconds a step, tokens a step), exponential averages. Their ratio is the cost
+    # of a token: an average of each step's seconds / tokens would count a step that emitted one token as heavily
+    # as one that emitted six, and so overstate speculation's cost (the mean of 1 / t exceeds 1 / the mean of t).
+    averages: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
     steps: int = 0
+
+    @property
+    def cost(self) -> dict[tuple[int, bool], float]:
+        """(decoding seqs, speculated) -> seconds a token."""
+        return {key: s / t for key, (s, t) in self.averages.items()}
 
     def speculate(self, seqs: int) -> bool:
         """Whether the coming step, with `seqs` sequences decoding, should speculate."""
         self.steps += 1
-        spec, plain = self.cost.get((seqs, True)), self.cost.get((seqs, False))
+        cost = self.cost
+        spec, plain = cost.get((seqs, True)), cost.get((seqs, False))
         probe = self.steps % PROBE_EVERY == 0
         if spec is None:
             return True                          # speculation is the default until measured
@@ -38,6 +47,7 @@ class SpecGuard:
         """A decode step of `seqs` sequences took `seconds` and emitted `tokens`."""
         if tokens <= 0:
             return
-        key, per_token = (seqs, speculated), seconds / tokens
-        old = self.cost.get(key)
-        self.cost[key] = per_token if old is None else old + WEIGHT * (per_token - old)
+        key = (seqs, speculated)
+        old = self.averages.get(key)
+        self.averages[key] = (seconds, float(tokens)) if old is None else (
+            old[0] + WEIGHT * (seconds - old[0]), old[1] + WEIGHT * (tokens - old[1]))

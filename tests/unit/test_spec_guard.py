@@ -47,6 +47,19 @@ def test_costs_are_exponential_averages_per_token():
     assert abs(g.cost[(2, True)] - (0.01 + WEIGHT * (0.03 - 0.01))) < 1e-12
 
 
+def test_a_token_costs_the_ratio_of_average_seconds_to_average_tokens():
+    """Speculative steps alternate between a rejected draft (one token, 15 ms) and an accepted one (six tokens,
+    20 ms): 35 ms for 7 tokens, 5 ms a token, cheaper than plain steps' 9; the mean of each step's ms per token
+    (9.2) would call it dearer."""
+    g = SpecGuard()
+    for _ in range(40):
+        g.observe(1, True, 0.015, 1)
+        g.observe(1, True, 0.020, 6)
+        g.observe(1, False, 0.009, 1)
+    assert 0.0045 < g.cost[(1, True)] < 0.0065 and abs(g.cost[(1, False)] - 0.009) < 1e-9
+    assert choices(g, 1, PROBE_EVERY - 1) == [True] * (PROBE_EVERY - 1)      # speculative until the probe
+
+
 class Fixed:
     """A guard that always answers `speculate` and records what the engine tells it."""
 
