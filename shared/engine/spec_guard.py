@@ -5,7 +5,8 @@ one row, those rows come nearly free and speculation pays; where they are bound 
 4-bit layers on AVX2) a step of six rows can cost close to six plain steps, and speculation loses. Which case holds
 depends on the machine, the weights and the load, so the engine measures it: for each number of decoding sequences,
 the seconds per emitted token of speculative steps and of plain steps (the ratio of exponential averages of a step's
-seconds and of its tokens), and it speculates while that is the cheaper. Every PROBE_EVERY steps it takes the other kind, so both figures stay current.
+seconds and of its tokens), and it speculates while that is the cheaper. Every PROBE_EVERY steps it takes the
+other kind, so both figures stay current.
 
 Only steps whose sequences all decode count (a prefill's rows would swamp them). Greedy output is the same either way
 and sampled output keeps its distribution, so the choice changes speed only.

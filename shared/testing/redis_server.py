@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 READY_TIMEOUT_S = 10.0
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 class RedisServer:
     def __init__(self, workdir: Path, port: int | None = None, binary: str = "redis-server",
-                 password: str | None = None) -> None:
+                 password: str | None = None, users: Sequence[str] = ()) -> None:
         path = shutil.which(binary)
         if path is None:
             raise RuntimeError(f"{binary} not found on PATH; install Redis (e.g. apt-get install redis-server)")
@@ -36,6 +37,7 @@ class RedisServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._picked_port = port is None
         self.password = password               # requirepass, from a config file (not on the command line)
+        self.users = tuple(users)              # ACL users, each a config file `user` line's rules
 
     @property
     def url(self) -> str:
@@ -68,7 +70,8 @@ class RedisServer:
     def _spawn(self) -> None:
         log = self.workdir / "redis.log"
         conf = self.workdir / "redis.conf"
-        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
+        conf.write_text((f"requirepass {self.password}\n" if self.password else "")
+                        + "".join(f"user {u}\n" for u in self.users))
         args = [
             self.binary,
             str(conf),
@@ -104,7 +107,7 @@ class RedisServer:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
                 reply = s.recv(64)
-                return reply.startswith(b"+PONG") or (self.password is not None and reply.startswith(b"-NOAUTH"))
+                return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH") or reply.startswith(b"-NOPERM")
         except OSError:
             return False
 
