@@ -28,21 +28,17 @@
 
 
 static inline void load_row(const void *base, int64_t off, int n, int bf16, float *dst) {
-    if (bf16) {
-        const uint16_t *s = (const uint16_t *)base + off;
-        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-    } else {
+    if (bf16)
+        bf16_row_to_f32((const uint16_t *)base + off, n, dst);
+    else
         memcpy(dst, (const float *)base + off, (size_t)n * 4);
-    }
 }
 
 static inline void store_row(void *base, int64_t off, int n, int bf16, const float *src) {
-    if (bf16) {
-        uint16_t *d = (uint16_t *)base + off;
-        for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
-    } else {
+    if (bf16)
+        f32_row_to_bf16(src, n, (uint16_t *)base + off);
+    else
         memcpy((float *)base + off, src, (size_t)n * 4);
-    }
 }
 
 // fp32 lanes rounded to bf16 (round to nearest even, NaN kept quiet) and back: f32_to_bf16 of bf16.h, 8 at once.
