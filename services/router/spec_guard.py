@@ -5,13 +5,15 @@ A draft round costs a proposal in the draft service, a Verify round trip and a v
 CPUs (a slow dot product, fast memory) that costs more than the tokens it saves, and then plain decoding is faster
 for a single stream. The router measures both sides on live traffic: requests that give `num_speculative_tokens`
 themselves are measured as they ran; the others speculate while the speculative rate is at least the plain rate,
-and every `explore_every`-th of them takes the other side so that both rates stay current.
+and every `explore_every`-th of them takes the other side so that both rates stay current (every
+RARE x `explore_every`-th while one side is CLEAR_MARGIN times faster: exploring a clear loser costs throughput).
 """
 from __future__ import annotations
 
 import logging
 
 log = logging.getLogger("upesi.router")
+CLEAR_MARGIN, RARE = 1.25, 4    # a side this many times faster: the other is explored RARE times less often
 
 
 class SpeculationGuard:
@@ -27,8 +29,9 @@ class SpeculationGuard:
         if spec is None:
             return True                                  # nothing measured yet: the deployment's default
         better = plain is None or spec >= plain
-        if self.decisions % self.explore_every == 0:
-            return not better                            # the other side, now and then
+        clear = plain is not None and max(spec, plain) >= CLEAR_MARGIN * min(spec, plain)
+        if self.decisions % (self.explore_every * (RARE if clear else 1)) == 0:
+            return not better                            # the other side, now and then (rarely, when far behind)
         return better
 
     def record(self, drafts: bool, tokens: int, seconds: float) -> None:

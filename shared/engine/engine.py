@@ -171,6 +171,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         if self.long_rope_after is not None:
             self._switch_long_rope()
         t_start = time.perf_counter()
+        # a sequence's first proposal also reads its whole prompt into the draft: paid once, so not measured
+        first = any(s.num_output_tokens <= 1 for s in self.scheduler.running)
         guarded = self._propose_step()
         batch = self.scheduler.schedule()
         if not batch:
@@ -216,7 +218,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         self.last_step_s = time.perf_counter() - t0
         if self.scheduler.pacer is not None:
             self.scheduler.pacer.observe(*split, self.last_step_s)
-        if guarded:
+        if guarded and not first:
             emitted = sum(len(d.token_ids) for d in deltas)
             self.spec_guard.observe(guarded, speculated, time.perf_counter() - t_start, emitted)
         if self.kv_store is not None:

@@ -6,7 +6,7 @@ one row, those rows come nearly free and speculation pays; where they are bound 
 depends on the machine, the weights and the load, so the engine measures it: for each number of decoding sequences,
 the seconds per emitted token of speculative steps and of plain steps (the ratio of exponential averages of a step's
 seconds and of its tokens), and it speculates while that is the cheaper. Every PROBE_EVERY steps it takes the
-other kind, so both figures stay current.
+other kind, so both figures stay current (every RARE x PROBE_EVERY while one kind is CLEAR_MARGIN times cheaper).
 
 Only steps whose sequences all decode count (a prefill's rows would swamp them). Greedy output is the same either way
 and sampled output keeps its distribution, so the choice changes speed only.
@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROBE_EVERY = 16       # steps between steps of the kind not chosen
-WEIGHT = 0.25          # weight of a new step in the averages
+CLEAR_MARGIN = 1.25    # where one kind costs this many times less a token than the other,
+RARE = 4               # the other is probed RARE times less often: a clear choice costs little exploring
+WEIGHT = 0.1           # weight of a new step in the averages: about the last 10 steps of each kind
 
 
 @dataclass(slots=True)
@@ -42,6 +44,8 @@ class SpecGuard:
             return True                          # speculation is the default until measured
         if plain is None:
             return not probe
+        if max(spec, plain) >= CLEAR_MARGIN * min(spec, plain):
+            probe = self.steps % (RARE * PROBE_EVERY) == 0
         return (spec <= plain) != probe
 
     def observe(self, seqs: int, speculated: bool, seconds: float, tokens: int) -> None:

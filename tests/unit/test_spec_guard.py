@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.spec_guard import PROBE_EVERY, WEIGHT, SpecGuard
+from shared.engine.spec_guard import PROBE_EVERY, RARE, WEIGHT, SpecGuard
 from shared.sampling_params import SamplingParams
 from shared.testing.scripted_proposer import PROMPT, Scripted
 from shared.testing.tiny_llama import save_tiny
@@ -29,14 +29,24 @@ def test_plain_steps_are_probed_once_speculation_is_measured():
 
 def test_the_cheaper_kind_per_token_wins_and_the_other_is_probed():
     g = SpecGuard()
-    g.observe(1, True, 0.030, 1)             # 30 ms a token speculating
+    g.observe(1, True, 0.022, 1)             # 22 ms a token speculating
     g.observe(1, False, 0.020, 1)            # 20 ms plainly
-    g.observe(4, True, 0.060, 8)             # 7.5 ms a token at 4 sequences
+    g.observe(4, True, 0.072, 8)             # 9 ms a token at 4 sequences
     g.observe(4, False, 0.040, 4)            # 10 ms
     one, four = choices(g, 1, PROBE_EVERY), choices(g, 4, PROBE_EVERY)
     assert one.count(True) == 1 and one[-1]                 # plain, but for the probe
     assert four.count(False) == 1 and not four[-1]          # speculative, but for the probe
     assert all(choices(g, 2, 5))                            # another batch size: not measured yet
+
+
+def test_a_clear_winner_is_probed_rarely():
+    """Speculation at 6 ms a token against plain steps' 10 (more than CLEAR_MARGIN apart): plain steps only every
+    RARE x PROBE_EVERY steps, so exploring the loser costs little."""
+    g = SpecGuard()
+    g.observe(1, True, 0.012, 2)
+    g.observe(1, False, 0.010, 1)
+    got = choices(g, 1, RARE * PROBE_EVERY)
+    assert got.count(False) == 1 and not got[-1]
 
 
 def test_costs_are_exponential_averages_per_token():
@@ -85,6 +95,7 @@ def test_the_engine_follows_the_guard(tmp_path):
     assert eng.generate([PROMPT], params)[0][0] == greedy
     assert prop.asked == []                                  # plain steps only
     assert plain.seen and all(s == (1, False, 1) for s in plain.seen)   # each decode step: one sequence, one token
+    assert len(plain.seen) == 12 - 2        # not the prefill, nor the first decode (it reads the prompt into a draft)
     own = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=2)
     assert eng.generate([PROMPT], own)[0][0] == greedy
     assert prop.asked and set(prop.asked) <= {1, 2}          # its own K: drafted for anyway
