@@ -3,8 +3,10 @@ stream deltas: content as it comes, and each call's name as soon as it is comple
 (the concatenated argument pieces are the arguments' JSON text as the model wrote it).
 
 Streamed this way: a named function (the whole answer is its arguments), `"required"` (a JSON list of
-{"name", "arguments"}) and Hermes `<tool_call>` blocks in `"auto"` answers. Other parsers' formats (Llama 3 JSON,
-Mistral) are only known to be calls once the answer ends: their choices are parsed whole at the end.
+{"name", "arguments"}), and in `"auto"` answers each parser's format: Hermes `<tool_call>` blocks, Llama 3 JSON
+(an answer that starts with `{` or `<|python_tag|>` is calls, one object after another; any other start is content)
+and Mistral (content, then `[TOOL_CALLS]` and a JSON list, or `name[ARGS]{...}` per call). A Llama 3 answer whose
+objects turn out not to be calls is sent as content when it ends.
 
 Each push re-reads the text so far (answers are short), so what is sent is always a prefix of what the whole
 answer's parse gives; a tag that may be starting at the end of the text is held back until it is decided.
@@ -15,9 +17,9 @@ import re
 from dataclasses import dataclass, field
 
 from shared.tool_calls import ToolChoice
-from shared.tool_parsers import ToolCall
+from shared.tool_parsers import _MISTRAL, _PYTHON_TAG, ToolCall, llama3_json
 
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_OPEN, _CLOSE, _ARGS_TAG = "<tool_call>", "</tool_call>", "[ARGS]"
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 _PRIMITIVE = re.compile(r"[^,}\]\s]*")
@@ -75,10 +77,13 @@ def _call_at(s: str) -> _Call:
 
 def _objects(s: str) -> list[str]:
     """The top-level objects' texts of a JSON list (the last possibly cut short)."""
-    out, i = [], s.find("[")
-    if i < 0:
-        return out
-    i += 1
+    i = s.find("[")
+    return [] if i < 0 else _run(s, i + 1)
+
+
+def _run(s: str, i: int) -> list[str]:
+    """The texts of the objects one after another from s[i] (the last possibly cut short)."""
+    out = []
     while True:
         start = s.find("{", i)
         if start < 0:
@@ -90,12 +95,45 @@ def _objects(s: str) -> list[str]:
         i = end
 
 
-def _held_tag(text: str) -> int:
-    """How many characters at the end of `text` may be the start of <tool_call>."""
-    for n in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-        if _OPEN.startswith(text[-n:]):
+def _held_tag(text: str, tag: str = _OPEN) -> int:
+    """How many characters at the end of `text` may be the start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def _llama3(text: str, final: bool) -> tuple[str, list[_Call]]:
+    """Llama 3 JSON: calls where the answer starts with { or <|python_tag|>, else content."""
+    body = text.lstrip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].lstrip()
+    elif not final and (not body or _PYTHON_TAG.startswith(body)):
+        return "", []                                   # undecided yet
+    if not body.startswith("{"):
+        return ("", []) if not body and not final else (text, [])
+    if final and not llama3_json(text)[1]:
+        return text, []                                 # objects, but not calls: the answer is content
+    return "", [_call_at(o) for o in _run(body, 0)]
+
+
+def _mistral(text: str, final: bool) -> tuple[str, list[_Call]]:
+    """Mistral: content, then [TOOL_CALLS] and a JSON list (v3) or name[ARGS]{...} per call (v11)."""
+    head, sep, rest = text.partition(_MISTRAL)
+    if not sep:
+        return (head if final else head[:len(head) - _held_tag(head, _MISTRAL)]), []
+    if rest.lstrip().startswith("["):
+        return head, [_call_at(o) for o in _objects(rest)]
+    calls = []
+    for part in rest.split(_MISTRAL):
+        name, found, args = part.partition(_ARGS_TAG)
+        if not found:
+            calls.append(_Call(None, ""))               # its name is not complete yet
+            break
+        args = args.lstrip()
+        end = _value_end(args, 0)
+        calls.append(_Call(name.strip(), args[:end if end is not None else len(args)]))
+    return head, calls
 
 
 @dataclass(slots=True)
@@ -108,7 +146,7 @@ class ToolCallStream:
     @property
     def streams(self) -> bool:
         """Whether this choice's calls stream (else the caller parses the whole answer at its end)."""
-        return self.choice.mode in ("named", "required") or self.choice.parser == "hermes"
+        return self.choice.mode in ("named", "required") or self.choice.parser in ("hermes", "llama3_json", "mistral")
 
     def push(self, piece: str, final: bool) -> tuple[str, list[dict]]:
         """The answer's next piece -> (new content, new tool-call deltas)."""
@@ -140,6 +178,10 @@ class ToolCallStream:
             return "", [_Call(self.choice.name, self.text)]
         if self.choice.mode == "required":
             return "", [_call_at(o) for o in _objects(self.text)]
+        if self.choice.parser == "llama3_json":
+            return _llama3(self.text, final)
+        if self.choice.parser == "mistral":
+            return _mistral(self.text, final)
         content, calls, i = [], [], 0
         while True:
             start = self.text.find(_OPEN, i)

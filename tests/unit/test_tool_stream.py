@@ -38,10 +38,22 @@ def stream(choice: ToolChoice, text: str, cuts: list[int]) -> tuple[str, dict[in
     return content, calls, deltas
 
 
-@pytest.mark.parametrize("mode, name, text", [("auto", "", HERMES), ("required", "", REQUIRED),
-                                              ("named", "weather", NAMED)])
-def test_any_cut_reassembles_into_the_whole_answers_calls(mode, name, text):
-    choice = ToolChoice(TOOLS, mode, name)
+LLAMA3 = ('<|python_tag|>{"name": "weather", "parameters": {"city": "Paris", "days": [1, 2]}}; '
+          '{"name": "time", "parameters": {"zone": "UTC"}}')
+LLAMA3_BARE = '{"name": "weather", "arguments": {"city": "Rome \\\\ \\"old\\""}}'
+MISTRAL = ('Checking.[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Paris"}}, '
+           '{"name": "time", "arguments": {}}]')
+MISTRAL_V11 = '[TOOL_CALLS]weather[ARGS]{"city": "Paris", "n": [1]}[TOOL_CALLS]time[ARGS]{}'
+CASES = [("auto", "", HERMES, "hermes"), ("required", "", REQUIRED, "hermes"), ("named", "weather", NAMED, "hermes"),
+         ("auto", "", LLAMA3, "llama3_json"), ("auto", "", LLAMA3_BARE, "llama3_json"),
+         ("auto", "", "The weather is fine.", "llama3_json"), ("auto", "", '{"answer": 42}', "llama3_json"),
+         ("auto", "", MISTRAL, "mistral"), ("auto", "", MISTRAL_V11, "mistral"),
+         ("auto", "", "No call [TOOL here.", "mistral")]
+
+
+@pytest.mark.parametrize("mode, name, text, parser", CASES)
+def test_any_cut_reassembles_into_the_whole_answers_calls(mode, name, text, parser):
+    choice = ToolChoice(TOOLS, mode, name, parser=parser)
     want_content, want_calls = choice.calls(text)
     rng = random.Random(0)
     for trial in range(60):
@@ -68,6 +80,25 @@ def test_an_answer_without_calls_is_content_and_a_half_tag_is_held_until_decided
     assert not s.called
 
 
-def test_other_parsers_are_parsed_whole():
-    assert not ToolCallStream(ToolChoice(TOOLS, "auto", parser="llama3_json")).streams
-    assert ToolCallStream(ToolChoice(TOOLS, "required", parser="llama3_json")).streams
+def test_every_parser_streams():
+    assert all(ToolCallStream(ToolChoice(TOOLS, "auto", parser=p)).streams for p in ("hermes", "llama3_json",
+                                                                                      "mistral"))
+
+
+def test_llama3_and_mistral_calls_flow_before_the_answer_ends():
+    s = ToolCallStream(ToolChoice(TOOLS, "auto", parser="llama3_json"))
+    assert s.push("<|python", final=False) == ("", [])                 # undecided: nothing yet
+    content, deltas = s.push('_tag|>{"name": "weather", "parameters": {"ci', final=False)
+    assert content == "" and deltas[0]["function"]["name"] == "weather"
+    assert deltas[-1]["function"]["arguments"] == '{"ci'
+    m = ToolCallStream(ToolChoice(TOOLS, "auto", parser="mistral"))
+    assert m.push("Checking.[TOOL_", final=False) == ("Checking.", [])   # a marker that may be starting is held
+    content, deltas = m.push('CALLS]weather[ARGS]{"city": "Pa', final=False)
+    assert content == "" and deltas[0]["function"]["name"] == "weather" and deltas[-1]["function"]["arguments"] == \
+        '{"city": "Pa'
+
+
+def test_llama3_objects_that_are_not_calls_come_out_as_content_at_the_end():
+    s = ToolCallStream(ToolChoice(TOOLS, "auto", parser="llama3_json"))
+    assert s.push('{"answer": ', final=False) == ("", [])
+    assert s.push("42}", final=True) == ('{"answer": 42}', [])
