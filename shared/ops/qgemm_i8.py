@@ -74,8 +74,8 @@ def _integer_form(bq: BlockQuant) -> tuple[torch.Tensor, torch.Tensor | None, in
         lut = bq.lut.float()
         f = 1.0 if torch.equal(lut, lut.round()) else 2.0
         tv = lut * f
-        if not torch.equal(tv, tv.round()) or tv.max() - tv.min() > 255:
-            raise QuantFormatError("a 4-bit table that is not integers or halves has no int8 form")
+        if not torch.equal(tv, tv.round()) or tv.min() < -128 or tv.max() > 127:     # the tiles' codes are int8
+            raise QuantFormatError("a 4-bit table that is not int8 integers or halves has no int8 form")
         off = int(-min(tv.min().item(), 0.0))
         return bq.codes.to(torch.uint8), (tv + off).to(torch.uint8), off, bq.scales / f
     off = int(-min(int(bq.codes.min()), 0))

@@ -85,3 +85,12 @@ def test_an_nvfp4_layer_opted_in_runs_the_int8_kernel() -> None:
     xq = (want[0].view(5, -1, 16) * want[1].unsqueeze(-1)).view(5, 64)
     assert rel_err(got, xq.double() @ layer.dequantise().double().t()) < 1e-5
     assert rel_err(got, exact.double()) > 1e-4
+
+
+def test_a_table_beyond_int8_is_refused() -> None:
+    from shared.ops.block_quant import BlockQuant, QuantFormatError
+    lut = torch.arange(16, dtype=torch.float32) * 20                      # 0 .. 300: not int8
+    bq = BlockQuant(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), None, 32, 4, lut)
+    with pytest.raises(QuantFormatError, match="int8"):
+        qi.QWeightI8(bq)
+
