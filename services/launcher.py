@@ -14,6 +14,7 @@ from services.launcher_commands import Child, hide_secrets, router_command, with
 from services.launcher_commands import children as launch_children
 from services.serve_config import ServeConfig
 from shared.config import add_config_arguments, config_from_args
+from shared.ops import switches
 from shared.rpc import internal_token
 
 
@@ -155,6 +156,7 @@ def _supervise(procs: list[subprocess.Popen], children: list[Child], env: dict[s
 
 def main(args: argparse.Namespace) -> None:
     cfg = with_store_key(config_from_args(ServeConfig, args))
+    switches.disable(cfg.disable_kernels)              # the services it starts inherit the kernels' switches
     # the services of this stack serve one another only: one token for them all, handed down in the environment
     # (never on a command line, where `ps` shows it); a value set beforehand is kept
     os.environ.setdefault(internal_token.ENV, secrets.token_hex(32))

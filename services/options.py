@@ -87,6 +87,12 @@ def int8_activations() -> Any:
                          "row, approximate (perplexity in docs/quantised-weights.md); default: exact bf16 activations")
 
 
+def disable_kernels() -> Any:
+    from shared.ops.switches import KERNELS
+    return option(None, "comma-separated C kernels to turn off, each then taking its other path (for comparisons "
+                        "and diagnosis): " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()))
+
+
 def dequantise_gguf() -> Any:
     return option(False, "GGUF files: dequantise their quantised layers to --dtype at load instead of serving the "
                          "codes as they are (4-bit layers then read 3x the bytes a step; for comparisons)")

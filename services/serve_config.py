@@ -87,6 +87,7 @@ class ServeConfig:
     nvfp4_act_quant: bool = option(False, "NVFP4 checkpoints: emulate W4A4 in the targets and the expert shards")
     dequantise_gguf: bool = options.dequantise_gguf()
     int8_activations: bool = options.int8_activations()
+    disable_kernels: str | None = options.disable_kernels()
     rebalance_interval_s: float = option(0.0, "with expert shards: the targets replicate hot experts every this many "
                                               "seconds when the shards' load is out of balance (0 = off)")
     draft_metrics_port: int = option(8071, "draft service /metrics port (with --draft; 0 = off)")

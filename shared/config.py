@@ -65,7 +65,7 @@ def _parse_bool(v: str | bool) -> bool:
 HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model and hardware", ("model", "hf_overrides", "dtype", "device", "*num_threads", "wide_threads",
                             "max_num_seqs", "max_model_len", "kv_cache_gb", "served_model_name", "chat_template",
-                            "*_parser", "progress")),
+                            "*_parser", "progress", "disable_kernels")),
     ("addresses and ports", ("address", "http_*", "*_address", "*_port", "*_replicas", "target", "targets",
                              "prefill_target", "replica_id", "target_wait_s", "ready_timeout_s")),
     ("scheduling", ("block_size", "num_kv_blocks", "prefill_*", "enable_prefix_caching", "stream_interval",

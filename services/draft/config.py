@@ -27,6 +27,7 @@ class DraftConfig(options.TLS):
     device: str = option("auto", "cpu, cuda or auto")
     dtype: str = options.dtype()
     num_threads: int | None = option(None, "torch CPU threads")
+    disable_kernels: str | None = options.disable_kernels()
     metrics_port: int = option(0, "Prometheus /metrics port (0 = off)")
 
     def __post_init__(self) -> None:

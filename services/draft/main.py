@@ -7,6 +7,7 @@ import logging
 
 from services.draft.config import DraftConfig
 from shared.config import add_config_arguments, config_from_args
+from shared.ops import switches
 from shared.rpc.server import Service, run_server
 
 log = logging.getLogger("upesi.draft")
@@ -52,4 +53,6 @@ async def serve(cfg: DraftConfig) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    asyncio.run(serve(config_from_args(DraftConfig, args)))
+    cfg = config_from_args(DraftConfig, args)
+    switches.disable(cfg.disable_kernels)              # before any kernel loads
+    asyncio.run(serve(cfg))

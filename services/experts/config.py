@@ -25,6 +25,7 @@ class ExpertsConfig(options.ServerTLS):
     progress: bool = option(False, "show a progress bar while reading the checkpoint")
     nvfp4_act_quant: bool = options.nvfp4_act_quant()
     int8_activations: bool = options.int8_activations()
+    disable_kernels: str | None = options.disable_kernels()
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:

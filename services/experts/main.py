@@ -9,6 +9,7 @@ import torch
 
 from services.experts.config import ExpertsConfig
 from shared.config import add_config_arguments, config_from_args
+from shared.ops import switches
 from shared.rpc.server import Service, run_server
 
 log = logging.getLogger("upesi.experts")
@@ -45,4 +46,6 @@ async def serve(cfg: ExpertsConfig) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    asyncio.run(serve(config_from_args(ExpertsConfig, args)))
+    cfg = config_from_args(ExpertsConfig, args)
+    switches.disable(cfg.disable_kernels)              # before any kernel loads
+    asyncio.run(serve(cfg))

@@ -70,6 +70,7 @@ class TargetConfig(options.TLS):
     nvfp4_act_quant: bool = options.nvfp4_act_quant()
     dequantise_gguf: bool = options.dequantise_gguf()
     int8_activations: bool = options.int8_activations()
+    disable_kernels: str | None = options.disable_kernels()
     capture_hidden: bool = option(False, "keep every position's last hidden state beside its KV from the start "
                                          "(about 5% more memory than the KV cache), so that a prefix cached before "
                                          "an EAGLE draft service first connects still gives its head the prompt's "

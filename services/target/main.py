@@ -8,6 +8,7 @@ import logging
 from services.target.config import TargetConfig
 from shared import metrics, telemetry
 from shared.config import add_config_arguments, config_from_args
+from shared.ops import switches
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import LLMEngine
 from shared.registry.factory import redacted
@@ -144,4 +145,6 @@ async def serve(cfg: TargetConfig) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    asyncio.run(serve(config_from_args(TargetConfig, args)))
+    cfg = config_from_args(TargetConfig, args)
+    switches.disable(cfg.disable_kernels)              # before any kernel loads
+    asyncio.run(serve(cfg))
