@@ -95,6 +95,7 @@ def _per_unit(t: torch.Tensor, units: int, f16: bool) -> torch.Tensor:
 
 class QWeightI8:
     """An [N, K] block-quantised weight laid out for qgemm_i8.c (times an optional per-column factor colf [N])."""
+    kind = "int8 activations"                    # what a layer's repr names (QWeight's is its expansion path)
 
     def __init__(self, bq: BlockQuant, colf: torch.Tensor | None = None) -> None:
         n, k = bq.shape

@@ -63,6 +63,7 @@ def test_int8_activations_match_the_w4a8_reference_in_fp32(w4a8):
     eng = LLMEngine(EngineConfig(model=path, progress=False, num_kv_blocks=64, int8_activations=True))
     layer = eng.runner.model.layers[0]
     assert isinstance(layer.mlp.down_proj, QuantLinear) and isinstance(layer.mlp.down_proj.packed, qgemm_i8.QWeightI8)
+    assert "int8 activations" in repr(eng.runner.model)
     ids = torch.randint(1, 110, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         expect = ref(torch.tensor([ids])).logits[0]
