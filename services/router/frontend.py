@@ -263,7 +263,8 @@ class Frontend:
                         first = now if first is None else first
                     done = all(c.finish_reason is not None for c in choices)
                     if done and alone and first is not None and self.in_flight == 1:   # alone throughout: a sample
-                        self.guard.record(draft is not None, len(choices[0].token_ids) - 1, last - first)
+                        self.guard.record(draft is not None, len(choices[0].token_ids) - 1, last - first,
+                                          own_choice=params.num_speculative_tokens is not None)
                     if out or done:
                         yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done,
                                           sum(d for d, _ in spec.values()), sum(a for _, a in spec.values()))

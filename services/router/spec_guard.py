@@ -6,7 +6,8 @@ CPUs (a slow dot product, fast memory) that costs more than the tokens it saves,
 for a single stream. The router measures both sides on live traffic: requests that give `num_speculative_tokens`
 themselves are measured as they ran; the others speculate while the speculative rate is at least the plain rate,
 and every `explore_every`-th of them takes the other side so that both rates stay current (every
-RARE x `explore_every`-th while one side is CLEAR_MARGIN times faster: exploring a clear loser costs throughput).
+RARE x `explore_every`-th while one side is CLEAR_MARGIN times faster: exploring a clear loser costs throughput),
+unless requests that set their own K measured that side meanwhile.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ class SpeculationGuard:
         self.explore_every, self.alpha, self.min_tokens = explore_every, alpha, min_tokens
         self.rate: dict[bool, float | None] = {True: None, False: None}      # tokens/s, with drafts / without
         self.decisions = 0
+        # the decision count at the last measurement of each side by a request that chose it itself
+        self.measured: dict[bool, int | None] = {True: None, False: None}
 
     def use_drafts(self) -> bool:
         """For a request that runs alone and leaves K to the deployment: speculate or not."""
@@ -30,14 +33,19 @@ class SpeculationGuard:
             return True                                  # nothing measured yet: the deployment's default
         better = plain is None or spec >= plain
         clear = plain is not None and max(spec, plain) >= CLEAR_MARGIN * min(spec, plain)
-        if self.decisions % (self.explore_every * (RARE if clear else 1)) == 0:
-            return not better                            # the other side, now and then (rarely, when far behind)
-        return better
+        every = self.explore_every * (RARE if clear else 1)
+        last = self.measured[not better]
+        if self.decisions % every == 0 and (last is None or self.decisions - last >= every):
+            return not better            # the other side, now and then (rarely when far behind), unless requests
+        return better                    # that chose it themselves measured it since
 
-    def record(self, drafts: bool, tokens: int, seconds: float) -> None:
-        """A request that ran alone: `tokens` decoded after its first one, in `seconds`."""
+    def record(self, drafts: bool, tokens: int, seconds: float, own_choice: bool = False) -> None:
+        """A request that ran alone: `tokens` decoded after its first one, in `seconds`; own_choice: its K was the
+        client's, not this guard's."""
         if tokens < self.min_tokens or seconds <= 0:
             return
+        if own_choice:
+            self.measured[drafts] = self.decisions
         rate, old = tokens / seconds, self.rate[drafts]
         self.rate[drafts] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
         log.debug("decode rate alone %s drafts: %.1f tok/s (with %s, without %s)", "with" if drafts else "without",

@@ -54,6 +54,20 @@ def test_guard_speculates_only_while_measured_faster_and_explores_both_sides():
     assert [g.use_drafts() for _ in range(8)].count(True) == 6
 
 
+def test_a_side_that_clients_measure_themselves_is_not_explored():
+    """Requests with their own K = 0 keep the plain rate current: the deployment's requests all keep drafting."""
+    from services.router.spec_guard import SpeculationGuard
+    g = SpeculationGuard(explore_every=4, alpha=1.0)
+    g.record(True, 110, 1.0)                                # 110 tok/s with drafts
+    picks = []
+    for _ in range(16):
+        g.record(False, 100, 1.0, own_choice=True)          # a client's own plain request: 100 tok/s
+        picks.append(g.use_drafts())
+    assert all(picks)
+    g.record(False, 100, 1.0)                               # the guard's own choice: not a client's measurement
+    assert [g.use_drafts() for _ in range(8)].count(False) == 2       # no plain requests now: explored again
+
+
 def test_router_follows_the_guard_for_a_request_alone_only():
     f = frontend(1)
     f.in_flight = 1
