@@ -71,6 +71,29 @@ static inline __m512 load_vec(const uint8_t *p, int f16) {
     return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
 }
 
+// A block's codes as unsigned values u, [F / 4] vectors of 16 columns x 4 features (nibbles through the table).
+static inline __attribute__((always_inline)) void block_codes(const uint8_t *rec, int f, int nib, __m512i lut,
+                                                              __m512i *w) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    if (nib) {
+        for (int l = 0; l < f / 8; l++) {                         // one 64-byte load: two vectors' nibbles
+            __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * l));
+            w[2 * l] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4));
+            w[2 * l + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        }
+    } else {
+        for (int j = 0; j < f / 4; j++)
+            w[j] = _mm512_loadu_si512((const void *)(rec + 64 * j));
+    }
+}
+
+// A block's 16 scales and 16 mins (zeros without mins), after its codes.
+static inline void block_scales(const uint8_t *rec, int64_t code_bytes, int sf16, int has_min, int mf16, __m512 *sc,
+                                __m512 *mn) {
+    *sc = load_vec(rec + code_bytes, sf16);
+    *mn = has_min ? load_vec(rec + code_bytes + COLS * (sf16 ? 2 : 4), mf16) : _mm512_setzero_ps();
+}
+
 // A block's exact integer sums (16 columns of one row) into the row's fp32 total: the one rounding sequence both
 // the vector and the tile paths take, so their results are the same bits.
 static inline __attribute__((always_inline)) __m512 scale_block(__m512 t, __m512i isum, __m512 sc, __m512 mn,
@@ -83,25 +106,15 @@ static inline __attribute__((always_inline)) __m512 scale_block(__m512 t, __m512
 static inline __attribute__((always_inline)) void unit_rows(const uint8_t *rec0, int64_t record, int64_t nb, int f,
                                                             int nib, __m512i lut, int sf16, int has_min, int mf16,
                                                             const xquant *xq, int64_t r0, int mr, __m512 *t) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     const int64_t code_bytes = nib ? 8 * f : 16 * f;
     for (int r = 0; r < RT; r++)
         t[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + b * record;
         __m512i w[8];
-        if (nib) {
-            for (int l = 0; l < f / 8; l++) {
-                __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * l));
-                w[2 * l] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4));
-                w[2 * l + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-            }
-        } else {
-            for (int j = 0; j < f / 4; j++)
-                w[j] = _mm512_loadu_si512((const void *)(rec + 64 * j));
-        }
-        __m512 sc = load_vec(rec + code_bytes, sf16);
-        __m512 mn = has_min ? load_vec(rec + code_bytes + COLS * (sf16 ? 2 : 4), mf16) : _mm512_setzero_ps();
+        __m512 sc, mn;
+        block_codes(rec, f, nib, lut, w);
+        block_scales(rec, code_bytes, sf16, has_min, mf16, &sc, &mn);
         for (int r = 0; r < RT; r++) {
             if (r < mr) {
                 int64_t row = r0 + r, at = row * nb + b;
@@ -163,13 +176,10 @@ static void configure(int rows, int f) {
 
 // A block's codes as signed values u - off, [F / 4] vectors of 16 columns x 4 features (a B tile as it lies).
 static inline void signed_codes(const uint8_t *rec, int f, int nib, __m512i lut, __m512i offv, __m512i *codes) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    for (int j = 0; j < f / 4; j++) {
-        __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * (nib ? j / 2 : j)));
-        if (nib)
-            v = _mm512_shuffle_epi8(lut, _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low4));
-        _mm512_store_si512((void *)(codes + j), _mm512_sub_epi8(v, offv));
-    }
+    __m512i w[8];
+    block_codes(rec, f, nib, lut, w);
+    for (int j = 0; j < f / 4; j++)
+        _mm512_store_si512((void *)(codes + j), _mm512_sub_epi8(w[j], offv));
 }
 
 static void unit_tiles(const uint8_t *rec0, int64_t record, int64_t nb, int f, int nib, __m512i lut, int off,
@@ -204,9 +214,8 @@ static void unit_tiles(const uint8_t *rec0, int64_t record, int64_t nb, int f, i
             if (two)
                 _tile_stored(3, (void *)sums[1], 64);
             for (int i = 0; i < 1 + two; i++) {
-                const uint8_t *ri = rec + i * record;
-                __m512 sc = load_vec(ri + code_bytes, sf16);
-                __m512 mn = has_min ? load_vec(ri + code_bytes + COLS * (sf16 ? 2 : 4), mf16) : _mm512_setzero_ps();
+                __m512 sc, mn;
+                block_scales(rec + i * record, code_bytes, sf16, has_min, mf16, &sc, &mn);
                 for (int r = 0; r < 16; r++)
                     if (r < valid)
                         t[r] = scale_block(t[r], _mm512_load_si512((const void *)(sums[i] + 16 * r)), sc, mn,
@@ -273,7 +282,7 @@ void upesi_qgemm_i8_dequant(const int64_t *desc, int64_t n, uint16_t *wt, int64_
     int64_t nb = desc[I_NB], record = desc[I_RECORD], units = (n + COLS - 1) / COLS;
     const float *colf = (const float *)desc[I_COLF];
     const __m512 offv = _mm512_set1_ps((float)desc[I_OFF]);
-    const __m512i low4 = _mm512_set1_epi8(0x0F), byte = _mm512_set1_epi32(0xFF);
+    const __m512i byte = _mm512_set1_epi32(0xFF);
     const int64_t code_bytes = nib ? 8 * f : 16 * f;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; u++) {
@@ -283,13 +292,9 @@ void upesi_qgemm_i8_dequant(const int64_t *desc, int64_t n, uint16_t *wt, int64_
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *rec = data + (u * nb + b) * record;
             __m512i w[8];
-            for (int j = 0; j < f / 4; j++) {
-                __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * (nib ? j / 2 : j)));
-                w[j] = nib ? _mm512_shuffle_epi8(lut, _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low4))
-                           : v;
-            }
-            __m512 sc = load_vec(rec + code_bytes, sf16);
-            __m512 mn = has_min ? load_vec(rec + code_bytes + COLS * (sf16 ? 2 : 4), mf16) : _mm512_setzero_ps();
+            __m512 sc, mn;
+            block_codes(rec, f, nib, lut, w);
+            block_scales(rec, code_bytes, sf16, has_min, mf16, &sc, &mn);
             for (int j = 0; j < f / 4; j++)
                 for (int t = 0; t < 4; t++) {
                     __m512 e = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[j], 8 * t), byte));
