@@ -19,7 +19,8 @@ from shared.config import SECRET_OPTIONS, env_name
 TARGET_COMPOSED = frozenset({
     "address", "expert_shards", "expert_placement", "rebalance_interval_s", "registry", "kv_disk_dir", "kv_disk_gb",
     "kv_host_gb", "kv_store", "kv_store_gb", "kv_store_key", "kv_store_ttl_s", "kv_store_write_policy",
-    "kv_store_write_threshold", "tls_ca", "tls_cert", "tls_key"})
+    "kv_store_write_threshold", "tls_ca", "tls_cert", "tls_key",
+    "disable_kernels"})                 # the launcher sets the kernels' switches in the environment children inherit
 ROUTER_COMPOSED = frozenset({"draft", "chat_template", "registry", "tls_ca", "tls_cert", "tls_key"})
 # ... and those prefill-only targets do without: they compute prompts, never decode
 DECODE_ONLY = frozenset({

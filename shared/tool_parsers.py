@@ -33,8 +33,8 @@ class ToolCall:
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_PYTHON_TAG = "<|python_tag|>"
-_MISTRAL = "[TOOL_CALLS]"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
 _MISTRAL_ARGS = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]", re.DOTALL)
 
 
@@ -67,8 +67,8 @@ def hermes(text: str) -> tuple[str | None, list[ToolCall]]:
 
 def llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     body = text.strip()
-    if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG):].strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].strip()
     if not body.startswith("{"):
         return text, []
     decoder, calls, i = json.JSONDecoder(), [], 0
@@ -88,13 +88,13 @@ def llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def mistral(text: str) -> tuple[str | None, list[ToolCall]]:
-    head, sep, rest = text.partition(_MISTRAL)
+    head, sep, rest = text.partition(MISTRAL_TAG)
     if not sep:
         return text, []
     content = head.strip() or None
     if "[ARGS]" in rest:                            # v11: [TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
         calls = []
-        for part in rest.split(_MISTRAL):
+        for part in rest.split(MISTRAL_TAG):
             m = _MISTRAL_ARGS.match(part)
             if m is None:
                 continue

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from shared.tool_calls import ToolChoice
-from shared.tool_parsers import _MISTRAL, _PYTHON_TAG, ToolCall, llama3_json
+from shared.tool_parsers import MISTRAL_TAG, PYTHON_TAG, ToolCall, llama3_json
 
 _OPEN, _CLOSE, _ARGS_TAG = "<tool_call>", "</tool_call>", "[ARGS]"
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -106,9 +106,9 @@ def _held_tag(text: str, tag: str = _OPEN) -> int:
 def _llama3(text: str, final: bool) -> tuple[str, list[_Call]]:
     """Llama 3 JSON: calls where the answer starts with { or <|python_tag|>, else content."""
     body = text.lstrip()
-    if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG):].lstrip()
-    elif not final and (not body or _PYTHON_TAG.startswith(body)):
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
+    elif not final and (not body or PYTHON_TAG.startswith(body)):
         return "", []                                   # undecided yet
     if not body.startswith("{"):
         return ("", []) if not body and not final else (text, [])
@@ -119,13 +119,13 @@ def _llama3(text: str, final: bool) -> tuple[str, list[_Call]]:
 
 def _mistral(text: str, final: bool) -> tuple[str, list[_Call]]:
     """Mistral: content, then [TOOL_CALLS] and a JSON list (v3) or name[ARGS]{...} per call (v11)."""
-    head, sep, rest = text.partition(_MISTRAL)
+    head, sep, rest = text.partition(MISTRAL_TAG)
     if not sep:
-        return (head if final else head[:len(head) - _held_tag(head, _MISTRAL)]), []
+        return (head if final else head[:len(head) - _held_tag(head, MISTRAL_TAG)]), []
     if rest.lstrip().startswith("["):
         return head, [_call_at(o) for o in _objects(rest)]
     calls = []
-    for part in rest.split(_MISTRAL):
+    for part in rest.split(MISTRAL_TAG):
         name, found, args = part.partition(_ARGS_TAG)
         if not found:
             calls.append(_Call(None, ""))               # its name is not complete yet

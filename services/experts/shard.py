@@ -27,7 +27,7 @@ from shared.model.config import ModelConfig
 from shared.model.loader import iter_weights, load_config
 from shared.model.placement import Placement, Unit, dense_slice, num_routed_experts
 from shared.model_files import resolve_model_path
-from shared.ops import qgemm, qgemm_i8
+from shared.ops import qgemm
 from shared.ops.packed_linear import PackedLinear, packable
 from shared.ops.block_quant import BlockQuant
 from shared.quant.gguf_blocks import GGUFRaw
@@ -157,7 +157,7 @@ class ExpertShard:
         if qc and qc.get("quant_method") != "compressed-tensors":
             raise ValueError(f"{self.path}: quantization method {qc.get('quant_method')!r} is not served by expert "
                              "shards (compressed-tensors NVFP4 / FP8 only)")
-        self.act_quant, self.int8 = act_quant, int8_activations and qgemm_i8.available()
+        self.act_quant, self.int8 = act_quant, int8_activations
         if placement.num_experts != num_routed_experts(self.cfg):
             raise ValueError(f"the placement has {placement.num_experts} experts per layer, the model "
                              f"{num_routed_experts(self.cfg)}")

@@ -172,7 +172,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
             self._switch_long_rope()
         t_start = time.perf_counter()
         # a sequence's first proposal also reads its whole prompt into the draft: paid once, so not measured
-        first = any(s.num_output_tokens <= 1 for s in self.scheduler.running)
+        first = self.cfg.speculation_guard and any(s.num_output_tokens <= 1 for s in self.scheduler.running)
         guarded = self._propose_step()
         batch = self.scheduler.schedule()
         if not batch:

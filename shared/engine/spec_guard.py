@@ -32,13 +32,16 @@ class SpecGuard:
     @property
     def cost(self) -> dict[tuple[int, bool], float]:
         """(decoding seqs, speculated) -> seconds a token."""
-        return {key: s / t for key, (s, t) in self.averages.items()}
+        return {key: self._cost(key) for key in self.averages}
+
+    def _cost(self, key: tuple[int, bool]) -> float | None:
+        found = self.averages.get(key)
+        return None if found is None else found[0] / found[1]
 
     def speculate(self, seqs: int) -> bool:
         """Whether the coming step, with `seqs` sequences decoding, should speculate."""
         self.steps += 1
-        cost = self.cost
-        spec, plain = cost.get((seqs, True)), cost.get((seqs, False))
+        spec, plain = self._cost((seqs, True)), self._cost((seqs, False))
         probe = self.steps % PROBE_EVERY == 0
         if spec is None:
             return True                          # speculation is the default until measured

@@ -137,6 +137,16 @@ class QWeightI8:
         return self.dequantise_t().t().float()
 
 
+def pack(bq: BlockQuant, colf: torch.Tensor | None = None) -> QWeightI8 | None:
+    """`bq` laid out for this kernel, or None where it does not run here or cannot hold the codes as int8."""
+    if not available():
+        return None
+    try:
+        return QWeightI8(bq, colf)
+    except QuantFormatError:
+        return None
+
+
 def weight_of(bq: BlockQuant, colf: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] fp32: the weight a QWeightI8 of (bq, colf) multiplies by, from the BlockQuant itself."""
     w = bq.dequantise()

@@ -111,11 +111,7 @@ class NVFP4Linear(_PackedLinear):
         if self.act_quant or self.weight_packed.device.type != "cpu":
             return None
         if self._packed is None and self.int8_activations and qgemm_i8.available():
-            n, k = self.out_features, self.in_features          # fp8 scales (exact in fp16), 1 / global per column
-            codes = torch.stack((self.weight_packed & 0xF, self.weight_packed >> 4), dim=-1).view(n, k)
-            gs = torch.cat([self.weight_global_scale[i].expand(r) for i, r in enumerate(self.segments)])
-            lut = e2m1_decode(torch.arange(16, dtype=torch.uint8))
-            bq = BlockQuant(codes.contiguous(), self.weight_scale.float(), None, BLOCK_SIZE, 4, lut)
+            bq, gs = self._fp8_blocks()                       # fp8 scales (exact in fp16), 1 / global per column
             self._packed = QWeightI8(bq, 1.0 / gs)
         elif self._packed is None and qgemm.available():
             self._packed = QWeight(self.block_quant())
@@ -124,12 +120,16 @@ class NVFP4Linear(_PackedLinear):
     def block_quant(self) -> BlockQuant:
         """The weight as codes and per-block steps: value(code) * (scale / global_scale), the reference's
         arithmetic (nvfp4.dequantise), so the kernel multiplies by exactly the dequantised weight."""
+        bq, gs = self._fp8_blocks()
+        return BlockQuant(bq.codes, bq.scales / gs[:, None], None, BLOCK_SIZE, 4, bq.lut)          # [N, B] steps
+
+    def _fp8_blocks(self) -> tuple[BlockQuant, torch.Tensor]:
+        """(the codes with the fp8 block scales as their steps, each row's global scale [N])."""
         n, k = self.out_features, self.in_features
         codes = torch.stack((self.weight_packed & 0xF, self.weight_packed >> 4), dim=-1).view(n, k)
         gs = torch.cat([self.weight_global_scale[i].expand(r) for i, r in enumerate(self.segments)])     # [N]
-        step = self.weight_scale.float() / gs[:, None]                                                     # [N, B]
         lut = e2m1_decode(torch.arange(16, dtype=torch.uint8))
-        return BlockQuant(codes.contiguous(), step, None, BLOCK_SIZE, 4, lut)
+        return BlockQuant(codes.contiguous(), self.weight_scale.float(), None, BLOCK_SIZE, 4, lut), gs
 
     @torch.no_grad()
     def load_segment(self, index: int, w: NVFP4Weight, name: str = "") -> None:

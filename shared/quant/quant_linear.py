@@ -15,7 +15,7 @@ from torch import nn
 
 from shared.ops import qgemm, qgemm_i8
 from shared.ops.packed_linear import PackedLinear
-from shared.ops.block_quant import BlockQuant, QuantFormatError
+from shared.ops.block_quant import BlockQuant
 from shared.ops.qgemm import QWeight
 from shared.ops.qgemm_i8 import QWeightI8
 
@@ -48,13 +48,8 @@ class QuantLinear(PackedLinear):
         if len(self._parts) != len(self.segments):
             raise ValueError(f"a quantised layer got {len(self._parts)} of its {len(self.segments)} segments")
         bq = BlockQuant.cat([self._parts[i] for i in range(len(self.segments))])
-        self.packed = None
-        if self.int8_activations and qgemm_i8.available():
-            try:
-                self.packed = QWeightI8(bq)
-            except QuantFormatError:                     # codes int8 cannot hold: the exact kernel takes it
-                self.packed = None
-        self.packed = self.packed or QWeight(bq)
+        i8 = qgemm_i8.pack(bq) if self.int8_activations else None      # None: the exact kernel takes it
+        self.packed = i8 if i8 is not None else QWeight(bq)
         self.packed_nbytes = self.packed.nbytes
         self._parts = {}
 

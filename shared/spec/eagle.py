@@ -103,7 +103,7 @@ class EagleHead(nn.Module):
         if (int8_head and rows.device.type == "cpu" and rows.dtype == torch.bfloat16 and rows.shape[0] % 32 == 0
                 and rows.shape[1] % 32 == 0 and qgemm.available()):                # int8 activations too, where
             bq = BlockQuant.int8(rows)                                               # they run: 2x at one row
-            self.int8_rows = qgemm_i8.QWeightI8(bq) if qgemm_i8.available() else QWeight(bq)
+            self.int8_rows = qgemm_i8.pack(bq) or QWeight(bq)
         elif packable(rows):
             self.packed_rows = pack_weight(rows)
 
