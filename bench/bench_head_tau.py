@@ -49,7 +49,7 @@ def main() -> None:
 
     import torch
 
-    from services.train_draft_cmd import read_prompts
+    from services.draft_data import read_prompts
     from shared.engine.config import EngineConfig, serving_dtype
     from shared.spec.factory import build_engine
     from shared.tokenizer import Tokenizer

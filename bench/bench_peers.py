@@ -336,7 +336,8 @@ PACKED_BYTES = {"Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 4 / 32, "Q8_0": 1 + 2 / 32, 
 def weight_bytes(dtype: str, packed: bool = False) -> int:
     """Bytes of weights a plain decode step reads (every linear layer, the LM head, norms) in `dtype`, or with the
     default GGUF's quantised layers (and the head tied to its quantised embedding) read packed."""
-    from shared.model.loader import gguf_quant_types, load_config
+    from shared.model.gguf_loader import gguf_quant_types
+    from shared.model.loader import load_config
     from shared.model_files import default_model_path
     c = load_config(default_model_path())
     per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim

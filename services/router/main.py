@@ -24,7 +24,6 @@ async def serve(cfg: RouterConfig) -> None:
     from services.router.frontend import Frontend
     from services.router.http import build_app, start_http
     from services.router.servicer import GenerationServicer, add_to_server
-    from services.router.target_client import TargetClient
     from shared import telemetry
     from shared.model_files import resolve_model_path, served_name
     from shared.registry.factory import open_registry
@@ -34,21 +33,9 @@ async def serve(cfg: RouterConfig) -> None:
     telemetry.setup_tracing("upesi-router")
     set_client_tls(client_tls_from(cfg))
     keys = KeyTable.from_config(cfg)                 # a bad keys file fails here, before waiting for targets
-    targets = [TargetClient(a.strip()) for a in cfg.target.split(",") if a.strip()]
-    if not targets:
-        raise ValueError("--target names no address")
     model_path = resolve_model_path(cfg.model)
     tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer, model_path))
-    prefill = [TargetClient(a) for a in cfg.prefill_addresses()]
-    infos = await asyncio.gather(*(t.wait_info(cfg.target_wait_s) for t in targets))
-    if len({i.model for i in infos}) > 1:
-        raise ValueError(f"the target replicas serve different models: {sorted({i.model for i in infos})}")
-    if len({i.block_size for i in infos}) > 1:
-        raise ValueError("the target replicas use different KV block sizes; give them all the same --block-size")
-    # prefill targets are optional: each is used from the moment it answers with the same model and block size
-    joins = [asyncio.create_task(t.join_when_up(infos[0])) for t in prefill]
-    if joins:                                        # those already up (as `upesi serve` starts them) join now
-        await asyncio.wait(joins, timeout=PREFILL_JOIN_S)
+    targets, prefill, infos, joins = await _connect_targets(cfg)
     registry = open_registry(cfg.registry) if cfg.registry else None
     drafts = [DraftClient(a) for a in cfg.draft_addresses()]      # connect lazily: a draft may start later
     tokenizer = await tokenizer_task
@@ -82,6 +69,27 @@ async def serve(cfg: RouterConfig) -> None:
     await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_start=on_start, on_drain=on_drain,
                      on_stop=on_stop, max_receive_bytes=cfg.max_request_bytes,
                      internal=False, limits=cfg.connection_limits())
+
+
+async def _connect_targets(cfg: RouterConfig) -> tuple[list, list, list, list[asyncio.Task]]:
+    """The decode targets (waited for; they must agree on model and block size), the prefill targets, the decode
+    targets' infos, and the tasks that let prefill targets join once they are up."""
+    from services.router.target_client import TargetClient
+
+    targets = [TargetClient(a.strip()) for a in cfg.target.split(",") if a.strip()]
+    if not targets:
+        raise ValueError("--target names no address")
+    prefill = [TargetClient(a) for a in cfg.prefill_addresses()]
+    infos = await asyncio.gather(*(t.wait_info(cfg.target_wait_s) for t in targets))
+    if len({i.model for i in infos}) > 1:
+        raise ValueError(f"the target replicas serve different models: {sorted({i.model for i in infos})}")
+    if len({i.block_size for i in infos}) > 1:
+        raise ValueError("the target replicas use different KV block sizes; give them all the same --block-size")
+    # prefill targets are optional: each is used from the moment it answers with the same model and block size
+    joins = [asyncio.create_task(t.join_when_up(infos[0])) for t in prefill]
+    if joins:                                        # those already up (as `upesi serve` starts them) join now
+        await asyncio.wait(joins, timeout=PREFILL_JOIN_S)
+    return targets, prefill, list(infos), joins
 
 
 def main(args: argparse.Namespace) -> None:

@@ -197,7 +197,6 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             return error_response(e)[1]
         return JSONResponse({"object": "list", "data": [card()]})
 
-
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> JSONResponse:
         try:
@@ -208,51 +207,58 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             return JSONResponse(card())
         return error_response(unknown_model(frontend, model_id))[1]
 
-    async def serve(request: Request, kind: type[GenerationRequest], method: str) -> Response:
-        try:
-            caller = frontend.keys.authenticate(request.headers.get("authorization"))    # no body read before
-            req = parse(kind, await read_body(request, frontend.cfg.max_request_bytes))
-            if req.model is not None and req.model != frontend.served_model:
-                raise unknown_model(frontend, req.model)
-            inputs = generation_inputs(req, frontend.info.vocab_size)
-            if inputs[0].tool_choice is not None:
-                inputs[0].tool_choice.parser = frontend.cfg.tool_call_parser
-            chat = kind is ChatRequest
-            reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                           int(time.time()), frontend.tok, inputs[0].tool_choice,
-                           reasoning=frontend.cfg.reasoning_parser == "think",
-                           prompt_logprobs=req.prompt_logprobs is not None)
-            if not chat and req.echo:
-                reply.echo = [i.prompt or frontend.tok.decode(i.prompt_ids) for i in inputs for _ in range(i.n or 1)]
-            n = (inputs[0].n or 1) * len(inputs)         # prompt p's choice j is choice p * n + j
-            # Async generators (closed to cancel); no deadline: HTTP clients time out on their own.
-            gens = [cast(AsyncGenerator[StreamChunk, None], frontend.stream(i, None, caller)) for i in inputs]
-            gen = gens[0] if len(gens) == 1 else merge_prompts(gens, inputs[0].n or 1)
-            if not req.stream:
-                answer = reply.whole(*await _unless_disconnected(request, _collect(gen, n, bool(reply.echo))))
-                metrics.REQUESTS.labels(method, "OK").inc()
-                return JSONResponse(answer)
-            first = await _unless_disconnected(request, anext(gen))    # errors up to here get an HTTP status
-        except _Disconnected:
-            metrics.REQUESTS.labels(method, "CANCELLED").inc()
-            return Response(status_code=499)                # nobody reads it; nginx's "client closed request"
-        except TooLarge as e:
-            metrics.REQUESTS.labels(method, Code.RESOURCE_EXHAUSTED.name).inc()
-            return too_large_response(e)
-        except Exception as e:
-            code, response = error_response(e)
-            metrics.REQUESTS.labels(method, code.name).inc()
-            return response
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _events(reply, n, first, gen, usage, method)
-        # Starlette stops iterating when the client hangs up; closing the generator then cancels the generation.
-        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve(request, CompletionRequest, "Completions")
+        return await _serve(frontend, request, CompletionRequest, "Completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serve(request, ChatRequest, "ChatCompletions")
+        return await _serve(frontend, request, ChatRequest, "ChatCompletions")
+
+
+async def _serve(frontend: Frontend, request: Request, kind: type[GenerationRequest], method: str) -> Response:
+    """One completions or chat completions request: checked, run, answered whole or as server-sent events."""
+    try:
+        caller = frontend.keys.authenticate(request.headers.get("authorization"))    # no body read before
+        req = parse(kind, await read_body(request, frontend.cfg.max_request_bytes))
+        if req.model is not None and req.model != frontend.served_model:
+            raise unknown_model(frontend, req.model)
+        inputs = generation_inputs(req, frontend.info.vocab_size)
+        if inputs[0].tool_choice is not None:
+            inputs[0].tool_choice.parser = frontend.cfg.tool_call_parser
+        reply = _reply_for(frontend, req, inputs, kind is ChatRequest)
+        n = (inputs[0].n or 1) * len(inputs)         # prompt p's choice j is choice p * n + j
+        # Async generators (closed to cancel); no deadline: HTTP clients time out on their own.
+        gens = [cast(AsyncGenerator[StreamChunk, None], frontend.stream(i, None, caller)) for i in inputs]
+        gen = gens[0] if len(gens) == 1 else merge_prompts(gens, inputs[0].n or 1)
+        if not req.stream:
+            answer = reply.whole(*await _unless_disconnected(request, _collect(gen, n, bool(reply.echo))))
+            metrics.REQUESTS.labels(method, "OK").inc()
+            return JSONResponse(answer)
+        first = await _unless_disconnected(request, anext(gen))    # errors up to here get an HTTP status
+    except _Disconnected:
+        metrics.REQUESTS.labels(method, "CANCELLED").inc()
+        return Response(status_code=499)                # nobody reads it; nginx's "client closed request"
+    except TooLarge as e:
+        metrics.REQUESTS.labels(method, Code.RESOURCE_EXHAUSTED.name).inc()
+        return too_large_response(e)
+    except Exception as e:
+        code, response = error_response(e)
+        metrics.REQUESTS.labels(method, code.name).inc()
+        return response
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    events = _events(reply, n, first, gen, usage, method)
+    # Starlette stops iterating when the client hangs up; closing the generator then cancels the generation.
+    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _reply_for(frontend: Frontend, req: GenerationRequest, inputs: list, chat: bool) -> _Reply:
+    """How the request's answer is written: its id, model, tool and reasoning parsing, echoed prompts."""
+    reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                   int(time.time()), frontend.tok, inputs[0].tool_choice,
+                   reasoning=frontend.cfg.reasoning_parser == "think",
+                   prompt_logprobs=req.prompt_logprobs is not None)
+    if not chat and req.echo:
+        reply.echo = [i.prompt or frontend.tok.decode(i.prompt_ids) for i in inputs for _ in range(i.n or 1)]
+    return reply

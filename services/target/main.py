@@ -35,23 +35,23 @@ class StepObserver:
             self.seen[key] = value
 
     def __call__(self, engine: LLMEngine) -> None:
-        bm, sch = engine.block_manager, engine.scheduler
-        metrics.KV_BLOCKS_USED.set(bm.num_used_blocks)
-        metrics.RUNNING.set(len(sch.running))
-        metrics.WAITING.set(len(sch.waiting))
-        metrics.STEP_SECONDS.observe(engine.last_step_s)
-        self._inc(metrics.PREEMPTIONS, "preempt", sch.num_preemptions)
-        self._inc(metrics.PREFIX_QUERIES, "query", bm.query_tokens)
-        self._inc(metrics.PREFIX_HITS, "hit", bm.hit_tokens)
-        self._inc(metrics.SPEC_DRAFT, "draft", engine.stats_draft)
-        self._inc(metrics.SPEC_ACCEPTED, "accepted", engine.stats_accepted)
-        stored, removed = bm.drain_events()
+        c = engine.counters()
+        metrics.KV_BLOCKS_USED.set(c.kv_blocks_used)
+        metrics.RUNNING.set(c.running)
+        metrics.WAITING.set(c.waiting)
+        metrics.STEP_SECONDS.observe(c.last_step_s)
+        self._inc(metrics.PREEMPTIONS, "preempt", c.preemptions)
+        self._inc(metrics.PREFIX_QUERIES, "query", c.prefix_query_tokens)
+        self._inc(metrics.PREFIX_HITS, "hit", c.prefix_hit_tokens)
+        self._inc(metrics.SPEC_DRAFT, "draft", c.draft_tokens)
+        self._inc(metrics.SPEC_ACCEPTED, "accepted", c.accepted_tokens)
+        stored, removed = engine.drain_block_events()
         if self.publisher is not None:
             if stored:
                 self.publisher.stored(stored)
             if removed:
                 self.publisher.removed(removed)
-            self.publisher.set_load(len(sch.waiting), len(sch.running))
+            self.publisher.set_load(c.waiting, c.running)
 
 
 class TracedAsyncEngine(AsyncEngine):
@@ -122,7 +122,7 @@ async def serve(cfg: TargetConfig) -> None:
     async_engine = engine_cls(build, on_step=StepObserver(publisher), stream_interval=cfg.stream_interval)
     engine, experts = async_engine.engine, attached[0]
     rebalancer = _start_rebalancer(cfg, experts)
-    metrics.KV_BLOCKS_TOTAL.set(engine.block_manager.num_blocks)
+    metrics.KV_BLOCKS_TOTAL.set(engine.counters().kv_blocks_total)
     if cfg.metrics_port:
         metrics.serve_metrics(cfg.metrics_port, cfg.address)
     service = Service("upesi.v1.Target", TargetServicer(async_engine, cfg.draft_timeout_s),
@@ -139,7 +139,7 @@ async def serve(cfg: TargetConfig) -> None:
             experts.close()
 
     log.info("model %s (%s): %d KV blocks of %d tokens, context %d, registry %s, KV store %s, host tier %s GiB",
-             engine.model_path, engine.cfg.dtype, engine.block_manager.num_blocks, cfg.block_size,
+             engine.model_path, engine.cfg.dtype, engine.counters().kv_blocks_total, cfg.block_size,
              engine.max_model_len, redacted(cfg.registry), redacted(cfg.kv_store), cfg.kv_host_gb)
     await run_server(cfg.address, [service], tls=server_tls_from(cfg), on_stop=stop)
 

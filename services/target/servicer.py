@@ -7,7 +7,8 @@ import logging
 import grpc
 
 from services.target.block_transfer import BlockSender, decode_blocks
-from services.target.verify import Relays, StreamProposer, delta_to_pb
+from services.target.relays import Relays, delta_to_pb
+from services.target.verify import StreamProposer
 from shared.engine.async_engine import AsyncEngine
 from shared.errors import InvalidRequest, NotConfigured, NotRunning
 from shared.rpc.errors import log_error, map_errors, status_for

@@ -35,57 +35,64 @@ def measure(src: str, units: dict[str, tuple[tuple[str, ...], tuple[int, ...]]],
     engine = LLMEngine(EngineConfig(model=src, dtype="float32", progress=False, enable_prefix_caching=False,
                                     num_kv_blocks=len(token_ids) // 16 + 2))
     model = engine.runner.model
-    found: dict[str, Sensitivity] = {}
-    quantised: dict[str, NVFP4Weight] = {}
-    swaps: dict[str, NVFP4Linear] = {}
-    rerunning = False
-
-    def on_unit(name: str, layers: tuple[str, ...], segments: tuple[int, ...]):
-        def run(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor) -> None:
-            if rerunning:
-                return
-            x = inputs[0]                                                       # [T, K]
-            amax = x.float().abs().amax()
-            igs = global_scale_from_amax(amax) if act_quant else None
-            q = NVFP4Linear(module.in_features, segments, module.bias is not None, act_quant, act_quant, x.device)
-            for i, (layer, rows) in enumerate(zip(layers, torch.split(module.weight.float(), list(segments)))):
-                quantised[layer] = w = quantise_weight(rows)
-                q.load_segment(i, NVFP4Weight(w.packed, w.scale, w.global_scale, igs), layer)
-            if module.bias is not None:
-                q.bias.data.copy_(module.bias)
-            swaps[name] = q
-            err = _rel(q(x), y)
-            found[name] = Sensitivity(name, segments, module.in_features, err, err, float(amax))
-        return run
-
-    def on_block(block: torch.nn.Module, names: list[str]):
-        def run(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-            nonlocal rerunning
-            rerunning = True
-            try:
-                for name in names:
-                    short = name.rpartition(".")[2]
-                    dense = getattr(block, short)
-                    setattr(block, short, swaps[name])
-                    try:
-                        found[name].block_error = _rel(block.forward(*args), out)
-                    finally:
-                        setattr(block, short, dense)
-            finally:
-                rerunning = False
-        return run
-
-    handles = [model.get_submodule(u).register_forward_hook(on_unit(u, *v)) for u, v in units.items()]
+    m = _Measurement(act_quant)
+    handles = [model.get_submodule(u).register_forward_hook(m.unit_hook(u, *v)) for u, v in units.items()]
     blocks: dict[str, list[str]] = {}
     for u in units:
         if "." in u:                     # a top-level unit (lm_head) is its own block: block error = own error
             blocks.setdefault(u.rpartition(".")[0], []).append(u)
     for b, names in blocks.items():
         block = model.get_submodule(b)
-        handles.append(block.register_forward_hook(on_block(block, names)))
+        handles.append(block.register_forward_hook(m.block_hook(block, names)))
     try:
         engine.score(token_ids)
     finally:
         for h in handles:
             h.remove()
-    return found, quantised, model
+    return m.found, m.quantised, model
+
+
+class _Measurement:
+    """The forward hooks of `measure` and what they find."""
+
+    def __init__(self, act_quant: bool) -> None:
+        self.act_quant = act_quant
+        self.found: dict[str, Sensitivity] = {}
+        self.quantised: dict[str, NVFP4Weight] = {}
+        self.swaps: dict[str, NVFP4Linear] = {}
+        self.rerunning = False                   # a block's forward run again: the units' hooks keep still
+
+    def unit_hook(self, name: str, layers: tuple[str, ...], segments: tuple[int, ...]):
+        def run(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor) -> None:
+            if self.rerunning:
+                return
+            x = inputs[0]                                                       # [T, K]
+            amax = x.float().abs().amax()
+            aq = self.act_quant
+            igs = global_scale_from_amax(amax) if aq else None
+            q = NVFP4Linear(module.in_features, segments, module.bias is not None, aq, aq, x.device)
+            for i, (layer, rows) in enumerate(zip(layers, torch.split(module.weight.float(), list(segments)))):
+                self.quantised[layer] = w = quantise_weight(rows)
+                q.load_segment(i, NVFP4Weight(w.packed, w.scale, w.global_scale, igs), layer)
+            if module.bias is not None:
+                q.bias.data.copy_(module.bias)
+            self.swaps[name] = q
+            err = _rel(q(x), y)
+            self.found[name] = Sensitivity(name, segments, module.in_features, err, err, float(amax))
+        return run
+
+    def block_hook(self, block: torch.nn.Module, names: list[str]):
+        def run(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            self.rerunning = True
+            try:
+                for name in names:
+                    short = name.rpartition(".")[2]
+                    dense = getattr(block, short)
+                    setattr(block, short, self.swaps[name])
+                    try:
+                        self.found[name].block_error = _rel(block.forward(*args), out)
+                    finally:
+                        setattr(block, short, dense)
+            finally:
+                self.rerunning = False
+        return run

@@ -13,36 +13,24 @@ checkpoint is read once either way.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from shared.convert.calibrate import measure
+from shared.convert.checkpoint_folder import copy_tokenizer, write_config
 from shared.model.config import ModelConfig
 from shared.model.loader import iter_weights, load_config
 from shared.model_files import is_gguf, resolve_model_path
 from shared.quant import policy as pol
-from shared.quant.checkpoint import CT_FORMAT, compressed_tensors_config, to_compressed_tensors
+from shared.quant.checkpoint import to_compressed_tensors
 from shared.quant.model_quant import hf_name, linear_units
 from shared.quant.nvfp4 import NVFP4Weight, global_scale_from_amax
 from shared.quant.nvfp4_module import fp8_quantise
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
-FP8_GROUP: dict[str, Any] = {  # compressed-tensors' FP8 weight-only scheme: E4M3, one scale per output row
-    "targets": [], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
-                               "dynamic": False},
-    "input_activations": None, "output_activations": None, "format": "float-quantized"}
-
 
 @dataclass(slots=True)
 class QuantizeResult:
@@ -93,18 +81,9 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     untied = cfg.tie_word_embeddings and pol.precision_of("lm_head", rules) in ("nvfp4", "fp8")
     cfg = replace(cfg, tie_word_embeddings=False) if untied else cfg     # a quantised head gets its own tensors
     units = _units(cfg)                                          # unit -> (checkpoint names, rows, in features)
-    chosen, notes = pol.resolve({u: v[0] for u, v in units.items()}, rules)
-    for u, (_, _, k) in units.items():            # NVFP4 blocks run along K in 16s: a narrower K cannot be packed
-        if chosen[u] == "nvfp4" and k % 16:
-            chosen[u] = "bf16"
-            notes.append(f"{u}: {k} input features are not a multiple of 16, kept in bf16")
+    chosen, notes = _chosen(units, rules)
     if policy == "auto":
-        budget, base = pol.parse_size(memory_budget or 0), _weight_bytes(cfg, units, chosen, rules, act_quant)
-        if budget < base:
-            raise pol.PolicyError(f"memory budget {budget / 1e6:.1f} MB is below the all-NVFP4 size "
-                                  f"{base / 1e6:.1f} MB; raise it")
-        if keep not in ("fp8", "bf16", "fp32"):
-            raise pol.PolicyError(f"the auto policy keeps sensitive layers in fp8, bf16 or fp32, not {keep!r}")
+        budget, base = _auto_budget(cfg, units, chosen, rules, act_quant, memory_budget, keep)
 
     calibrate = policy == "auto" or act_quant
     text = calibrate and not isinstance(calibration, list)
@@ -135,10 +114,32 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     os.makedirs(out, exist_ok=True)
     from safetensors.torch import save_file
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    _write_config(src, cfg, out, layers, act_quant)
-    _copy_tokenizer(src, out, tokenizer)
+    write_config(src, cfg, out, layers, act_quant)
+    copy_tokenizer(src, out, tokenizer)
     return QuantizeResult(out, chosen, layers, sum(t.nbytes for t in tensors.values()), _num_params(tensors),
                           time.perf_counter() - t0, found, notes)
+
+
+def _chosen(units: dict, rules) -> tuple[dict[str, pol.Precision], list[str]]:
+    """Each unit's precision by the rules, and notes on units kept apart from them."""
+    chosen, notes = pol.resolve({u: v[0] for u, v in units.items()}, rules)
+    for u, (_, _, k) in units.items():            # NVFP4 blocks run along K in 16s: a narrower K cannot be packed
+        if chosen[u] == "nvfp4" and k % 16:
+            chosen[u] = "bf16"
+            notes.append(f"{u}: {k} input features are not a multiple of 16, kept in bf16")
+    return chosen, notes
+
+
+def _auto_budget(cfg: ModelConfig, units: dict, chosen: dict[str, pol.Precision], rules, act_quant: bool,
+                 memory_budget: str | int | None, keep: pol.Precision) -> tuple[int, int]:
+    """The auto policy's (budget, all-NVFP4 size) in bytes; PolicyError where it cannot be met."""
+    budget, base = pol.parse_size(memory_budget or 0), _weight_bytes(cfg, units, chosen, rules, act_quant)
+    if budget < base:
+        raise pol.PolicyError(f"memory budget {budget / 1e6:.1f} MB is below the all-NVFP4 size "
+                              f"{base / 1e6:.1f} MB; raise it")
+    if keep not in ("fp8", "bf16", "fp32"):
+        raise pol.PolicyError(f"the auto policy keeps sensitive layers in fp8, bf16 or fp32, not {keep!r}")
+    return budget, base
 
 
 def _num_params(tensors: dict[str, torch.Tensor]) -> int:
@@ -251,53 +252,3 @@ def _convert(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, laye
         else:                                                     # norms and biases: tiny, kept in fp32
             out[name] = w.float().contiguous()
     return out
-
-
-def quantization_config(layers: dict[str, pol.Precision], act_quant: bool) -> dict | None:
-    """The compressed-tensors quantization_config describing these layer precisions (None: nothing quantised)."""
-    linear = {n: p for n, p in layers.items() if n != pol.EMBEDDINGS}
-    nvfp4 = sorted(n for n, p in linear.items() if p == "nvfp4")
-    fp8 = sorted(n for n, p in linear.items() if p == "fp8")
-    dense = sorted({n for n, p in linear.items() if p in ("bf16", "fp32")} | ({"lm_head"} - set(linear)))
-    if not nvfp4 and not fp8:
-        return None
-    qc = compressed_tensors_config(act_quant, targets=("Linear",) if not fp8 else tuple(nvfp4), ignore=tuple(dense))
-    if fp8:
-        qc["config_groups"]["group_1"] = {**FP8_GROUP, "targets": fp8}
-        if not nvfp4:
-            del qc["config_groups"]["group_0"]
-        qc["format"] = "mixed-precision" if nvfp4 else "float-quantized"
-    else:
-        qc["format"] = CT_FORMAT
-    return qc
-
-
-def _write_config(src: str, cfg: ModelConfig, out: str, layers: dict[str, pol.Precision], act_quant: bool) -> None:
-    if is_gguf(src):
-        hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-              "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-              "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-              "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
-              "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-              "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-              "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias, "bos_token_id": cfg.bos_token_id,
-              "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids or None,
-              "hidden_act": "silu", "dtype": "bfloat16"}
-    else:
-        hf = json.loads(Path(src, "config.json").read_text())
-        hf["tie_word_embeddings"] = cfg.tie_word_embeddings           # False where the head was quantised apart
-    qc = quantization_config(layers, act_quant)
-    if qc is not None:
-        hf["quantization_config"] = qc
-    Path(out, "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-
-
-def _copy_tokenizer(src: str, out: str, tokenizer) -> None:
-    """The tokenizer and chat template, so the folder is self-contained (a GGUF's come from its metadata)."""
-    if is_gguf(src):                               # the folder the GGUF's tokenizer was converted into
-        for name in os.listdir(tokenizer.folder):
-            shutil.copy2(os.path.join(tokenizer.folder, name), os.path.join(out, name))
-        return
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(out, name))

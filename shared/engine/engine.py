@@ -30,12 +30,12 @@ from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
 from shared.engine.spec_guard import SpecGuard
+from shared.engine.stats import StatsMixin
 from shared.engine.structured import Guides
 from shared.engine.speculation import SpeculationMixin
 from shared.errors import InvalidRequest
 from shared.kv.block_codec import BlockLayout, model_fingerprint
 from shared.kv.block_manager import BlockManager
-from shared.kv.block_store import open_block_store
 from shared.model.loader import load_config
 from shared.model.registry import build_model, check_architecture
 from shared.model_files import resolve_model_path
@@ -48,7 +48,7 @@ __all__ = ["Delta", "LLMEngine"]
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin, OfflineMixin):
+class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin, OfflineMixin, StatsMixin):
     def __init__(self, cfg: EngineConfig, make_proposer: ProposerFactory | None = None) -> None:
         self.cfg = cfg
         if cfg.num_threads:
@@ -77,17 +77,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         self.block_layout = BlockLayout(model_fingerprint(model, repr(self.model_cfg), dtype), dtype,
                                         self.model_cfg.num_layers, cfg.block_size, kvh, dh, shared,
                                         self.model_cfg.hidden_size)
-        self.kv_store = None
-        if cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir:
-            self.kv_store = open_block_store(self.block_layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
-                                             cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb,
-                                             cfg.kv_store_write_policy, cfg.kv_store_write_threshold,
-                                             cfg.kv_store_key)
-        if self.kv_store is not None:
-            self.block_manager.source = self.kv_store
-            self.block_manager.track_evictions = self.kv_store.wants_evictions
-            self.block_manager.track_commits = self.kv_store.wants_commits
-            self.block_manager.track_reuse = self.kv_store.wants_reuse
+        self.kv_store = self._open_kv_store(cfg)
         # Every layer attends a sliding window (Mistral v0.1, Phi-3): blocks behind it go back to the pool.
         windows = [getattr(getattr(layer, "self_attn", None), "window", None) for layer in getattr(model, "layers", [])]
         self.window = min(windows) if windows and all(windows) else None

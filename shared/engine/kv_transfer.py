@@ -2,43 +2,58 @@
 blocks sent to or received from other targets (prefill / decode disaggregation, direct transfer)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shared.errors import NotConfigured
 from shared.kv.block_codec import BlockData
+from shared.kv.block_store import KVBlockStore, open_block_store
 from shared.kv.hashing import BlockHash, hash_chain
+
+if TYPE_CHECKING:
+    from shared.engine.config import EngineConfig
 
 
 class KVTransferMixin:
     """Part of LLMEngine (shared.engine.engine): reads its block manager, runner and block store."""
 
+    def _open_kv_store(self, cfg: EngineConfig) -> KVBlockStore | None:
+        """The block store the config asks for (None: none), wired to the block manager."""
+        if not (cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir):
+            return None
+        store = open_block_store(self.block_layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
+                                 cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb, cfg.kv_store_write_policy,
+                                 cfg.kv_store_write_threshold, cfg.kv_store_key)
+        if store is not None:
+            bm = self.block_manager
+            bm.source = store
+            bm.track_evictions, bm.track_commits, bm.track_reuse = (store.wants_evictions, store.wants_commits,
+                                                                    store.wants_reuse)
+        return store
+
     def _sync_blocks(self) -> None:
         """Before a forward pass writes the cache: evicted blocks out to the store, copy-on-write copies, blocks
         read from the store in."""
-        bm = self.block_manager
-        if bm.evictions:
-            blocks = [b for b, _ in bm.evictions]
+        work = self.block_manager.take_cache_work()
+        if work.evictions:
+            blocks = [b for b, _ in work.evictions]
             self.kv_store.evicted([(h, BlockData(kv.clone(), None if hid is None else hid.clone()))
-                                   for (_, h), (kv, hid) in zip(bm.evictions, self.runner.read_blocks(blocks))])
-            bm.evictions.clear()
-        self.runner.copy_blocks(bm.pending_copies)
-        bm.pending_copies.clear()
-        if bm.imports:
-            self.runner.write_blocks([b for b, _ in bm.imports], [(d.kv, d.hidden) for _, d in bm.imports])
-            bm.imports.clear()
+                                   for (_, h), (kv, hid) in zip(work.evictions, self.runner.read_blocks(blocks))])
+        self.runner.copy_blocks(work.copies)
+        if work.imports:
+            self.runner.write_blocks([b for b, _ in work.imports], [(d.kv, d.hidden) for _, d in work.imports])
 
     def _store_commits(self) -> None:
         """Blocks this step filled, or (write_through_selective) that a new sequence matched in the cache and the
         store does not have yet: copied out for the store's writer (the step does not wait for the write)."""
-        bm = self.block_manager
-        if bm.reuses:
-            fresh = {h: b for b, h in bm.reuses if self.kv_store.count_match(h)}      # hash -> block, once
-            bm.reuses.clear()
+        reuses, commits = self.block_manager.take_store_work()
+        if reuses:
+            fresh = {h: b for b, h in reuses if self.kv_store.count_match(h)}      # hash -> block, once
             if fresh:
                 read = self.runner.read_blocks(list(fresh.values()))
                 self.kv_store.reused([(h, BlockData(kv, hid)) for h, (kv, hid) in zip(fresh, read)])
-        if bm.commits:
-            read = self.runner.read_blocks([b for b, _ in bm.commits])
-            self.kv_store.committed([(h, BlockData(kv, hid)) for (_, h), (kv, hid) in zip(bm.commits, read)])
-            bm.commits.clear()
+        if commits:
+            read = self.runner.read_blocks([b for b, _ in commits])
+            self.kv_store.committed([(h, BlockData(kv, hid)) for (_, h), (kv, hid) in zip(commits, read)])
             if self.cfg.kv_store_sync:
                 self.kv_store.flush()
 

@@ -85,7 +85,6 @@ class SpeculationMixin:
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Delta:
         """logits [K + 1, V] of a sequence that carried K draft tokens: accept, roll back, emit."""
         draft, q, parents = seq.spec_tokens, seq.spec_probs, seq.spec_parents
-        p = seq.params
         base = len(seq) - len(draft)                  # tokens before the drafts
         depth = len(draft)
         if parents is not None:                       # a tree: accept a path, move its KV next to the root
@@ -95,27 +94,7 @@ class SpeculationMixin:
             n, depth = len(path), max(depths(parents))
             draft = [draft[a] for a in path]
         else:
-            rows = logits if not p.processed else process(logits, p, seq.token_ids, seq.num_prompt_tokens,
-                                                          list(range(base, base + len(logits))),
-                                                          stop_ids(p, self.eos_token_ids))
-            advanced = 0
-            if seq.guide is not None:                 # each row masked in the state its drafts lead to
-                rows = rows.float().clone() if rows is logits else rows
-                for j in range(len(rows)):
-                    seq.guide.apply(rows[j])
-                    if j == len(draft) or not seq.guide.accept(draft[j]):
-                        break                         # rows after a forbidden draft are never reached
-                    advanced += 1
-            if p.greedy:
-                n, tok = verify_greedy(rows, draft)
-            else:
-                r = len(rows)
-                probs = probs_from_logits(rows, torch.full((r,), p.temperature), torch.full((r,), p.top_k),
-                                          torch.full((r,), p.top_p), torch.full((r,), p.min_p) if p.min_p else None)
-                n, tok = verify_sampled(probs, q, draft, seq.generator)
-            if seq.guide is not None:
-                seq.guide.rollback(advanced - n)
-                seq.guide.accept(tok)
+            n, tok = self._verify_chain(seq, logits, draft, q, base)
         num_draft = len(seq.spec_tokens)
         del seq.token_ids[base:]
         seq.spec_tokens, seq.spec_probs, seq.spec_parents = [], None, None
@@ -137,13 +116,41 @@ class SpeculationMixin:
                 break
         # a chain's row j predicts the token after j drafts: the raw rows of what was emitted (trees never carry
         # requests that ask for logprobs)
-        lps = None if p.logprobs is None else token_logprobs(logits[:len(emitted)], emitted, p.logprobs)
+        lps = None if seq.params.logprobs is None else token_logprobs(logits[:len(emitted)], emitted,
+                                                                      seq.params.logprobs)
         seq.num_computed_tokens = min(base + n, len(seq) - 1)   # KV of rejected positions is dropped
         self.block_manager.trim(seq)
         self.block_manager.commit(seq)
         if reason:
             self.scheduler.finish(seq, reason)
         return self._delta(seq, emitted, lps)
+
+    def _verify_chain(self, seq: Sequence, logits: torch.Tensor, draft: list[int], q, base: int) -> tuple[int, int]:
+        """A chain's verdict: (drafts accepted, the token after them), from its rows processed as plain decoding
+        would process them (penalties, bias, grammar)."""
+        p = seq.params
+        rows = logits if not p.processed else process(logits, p, seq.token_ids, seq.num_prompt_tokens,
+                                                      list(range(base, base + len(logits))),
+                                                      stop_ids(p, self.eos_token_ids))
+        advanced = 0
+        if seq.guide is not None:                 # each row masked in the state its drafts lead to
+            rows = rows.float().clone() if rows is logits else rows
+            for j in range(len(rows)):
+                seq.guide.apply(rows[j])
+                if j == len(draft) or not seq.guide.accept(draft[j]):
+                    break                         # rows after a forbidden draft are never reached
+                advanced += 1
+        if p.greedy:
+            n, tok = verify_greedy(rows, draft)
+        else:
+            r = len(rows)
+            probs = probs_from_logits(rows, torch.full((r,), p.temperature), torch.full((r,), p.top_k),
+                                      torch.full((r,), p.top_p), torch.full((r,), p.min_p) if p.min_p else None)
+            n, tok = verify_sampled(probs, q, draft, seq.generator)
+        if seq.guide is not None:
+            seq.guide.rollback(advanced - n)
+            seq.guide.accept(tok)
+        return n, tok
 
     def _hidden_starts(self, batch) -> list[int] | None:
         """Where each sequence's rows begin, when the proposer reads the target's hidden states (else None)."""

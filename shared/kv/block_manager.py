@@ -11,16 +11,19 @@
 - Freed blocks go to the back of the LRU list, a chain's tail first, so tails are evicted before heads. Taking a
   cached block from the free list for new data evicts it (its hash goes to `removed`).
 - fork() shares every block of a parent; a sequence about to write into a block with refcount > 1 gets a private
-  copy first (copy-on-write): the copy is queued in `pending_copies` for the model runner to perform.
+  copy first (copy-on-write): the copy is queued for the model runner to perform (`take_cache_work`).
 - With a block store (`source`, shared.kv.block_store): a new sequence whose cached prefix ends early asks the store
-  for the blocks that follow; those it gets are taken from the pool, committed at once, and queued in `imports` for
-  the model runner to fill. With `track_evictions` / `track_commits` / `track_reuse`, evicted, newly committed and
-  matched cached blocks are queued in `evictions` / `commits` / `reuses` for the engine to copy out to the store.
+  for the blocks that follow; those it gets are taken from the pool, committed at once, and queued for the model
+  runner to fill. With `track_evictions`, evicted blocks are queued for the engine to copy out before the pass
+  overwrites them (`take_cache_work`); with `track_commits` / `track_reuse`, newly committed and matched cached
+  blocks, to copy out after it (`take_store_work`). Stored and removed hashes go to the prefix registry
+  (`drain_events`).
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 from typing import Any, NewType, Protocol
 
 from shared.kv.hashing import BlockHash, hash_chain
@@ -50,6 +53,14 @@ class BlockSource(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class CacheWork:
+    """The block manager's requests to the model runner, done before the next forward pass."""
+    evictions: list[tuple[BlockId, BlockHash]] = field(default_factory=list)   # cached blocks about to be overwritten
+    copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)        # copy-on-write: (src, dst)
+    imports: list[tuple[BlockId, Any]] = field(default_factory=list)           # (block, contents from the source)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -61,17 +72,15 @@ class BlockManager:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, BlockId] = {}
         self.free_ids: OrderedDict[BlockId, None] = OrderedDict((BlockId(i), None) for i in range(num_blocks))
-        self.pending_copies: list[tuple[BlockId, BlockId]] = []     # (src, dst) for the model runner
-        self.stored: list[BlockHash] = []                           # events for the prefix registry
-        self.removed: list[BlockHash] = []
+        self._work = CacheWork()                                    # for the model runner, before the pass
+        self._stored: list[BlockHash] = []                          # events for the prefix registry
+        self._removed: list[BlockHash] = []
         self.query_tokens = 0                                       # prompt tokens looked up in the cache
         self.hit_tokens = 0                                         # ... and found there (or in the store)
         self.source: BlockSource | None = None
         self.track_evictions = self.track_commits = self.track_reuse = False
-        self.imports: list[tuple[BlockId, Any]] = []                # (block, contents from the source) to fill
-        self.evictions: list[tuple[BlockId, BlockHash]] = []        # cached blocks about to be overwritten
-        self.commits: list[tuple[BlockId, BlockHash]] = []          # blocks newly committed
-        self.reuses: list[tuple[BlockId, BlockHash]] = []           # cached blocks a new sequence matched
+        self._commits: list[tuple[BlockId, BlockHash]] = []         # blocks newly committed
+        self._reuses: list[tuple[BlockId, BlockHash]] = []          # cached blocks a new sequence matched
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,7 +129,7 @@ class BlockManager:
                     del self.free_ids[block]
                 self.ref_counts[block] += 1
             if self.track_reuse:
-                self.reuses.extend((block, self.block_hash[block]) for block in hits)
+                self._reuses.extend((block, self.block_hash[block]) for block in hits)
             seq.block_table = list(hits)
             known = len(hits) + self._import(seq, len(hits))
             seq.num_committed_blocks = known
@@ -148,8 +157,8 @@ class BlockManager:
                 block = self._take()
                 self.block_hash[block] = h
                 self.cached[h] = block
-                self.stored.append(h)
-                self.imports.append((block, contents))
+                self._stored.append(h)
+                self._work.imports.append((block, contents))
             seq.block_table.append(block)
         return len(found)
 
@@ -169,7 +178,7 @@ class BlockManager:
             if i < len(table) and self.ref_counts[table[i]] > 1:       # copy-on-write
                 src, dst = table[i], self._take()
                 self.ref_counts[src] -= 1
-                self.pending_copies.append((src, dst))
+                self._work.copies.append((src, dst))
                 table[i] = dst
         for _ in range(self.blocks_for(num_tokens) - len(table)):
             table.append(self._take())
@@ -198,9 +207,9 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
-                self.stored.append(h)
+                self._stored.append(h)
                 if self.track_commits:
-                    self.commits.append((block, h))
+                    self._commits.append((block, h))
         seq.num_committed_blocks = full
 
     def trim(self, seq: Sequence, num_tokens: int | None = None) -> None:
@@ -241,17 +250,28 @@ class BlockManager:
         seq.num_released_blocks = max(seq.num_released_blocks, upto)
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        stored, removed, self.stored, self.removed = self.stored, self.removed, [], []
+        """The hashes stored and removed since the last call, for the prefix registry."""
+        stored, removed, self._stored, self._removed = self._stored, self._removed, [], []
         return stored, removed
+
+    def take_cache_work(self) -> CacheWork:
+        """What the model runner must do to the cache before the next forward pass writes it."""
+        work, self._work = self._work, CacheWork()
+        return work
+
+    def take_store_work(self) -> tuple[list[tuple[BlockId, BlockHash]], list[tuple[BlockId, BlockHash]]]:
+        """(matched cached blocks, newly committed blocks) since the last call, for the block store."""
+        reuses, commits, self._reuses, self._commits = self._reuses, self._commits, [], []
+        return reuses, commits
 
     def _take(self) -> BlockId:
         block, _ = self.free_ids.popitem(last=False)
         h = self.block_hash[block]
         if h is not None:                                              # evict from the prefix cache
             del self.cached[h]
-            self.removed.append(h)
+            self._removed.append(h)
             if self.track_evictions:
-                self.evictions.append((block, h))
+                self._work.evictions.append((block, h))
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

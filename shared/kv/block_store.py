@@ -17,15 +17,13 @@ engine thread hands over tensors it already copied out of the cache, and when th
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from shared import metrics
-from shared.kv.block_codec import BlockData, BlockLayout, InvalidBlock, decode, encode, store_mac_key
+from shared.kv.block_codec import BlockData, BlockLayout, InvalidBlock, decode, store_mac_key
+from shared.kv.block_writer import BlockWriter
 from shared.kv.disk_tier import DiskTier
 from shared.kv.hashing import BlockHash
 from shared.kv.host_tier import HostTier
@@ -34,10 +32,7 @@ from shared.kv.transfer_cost import TransferCost
 
 log = logging.getLogger(__name__)
 
-WRITE_BATCH = 16              # blocks per Redis write
-KNOWN_HASHES = 65536          # hashes remembered as already in Redis (not written again)
 MAX_COUNTED = 65536           # blocks whose matches write_through_selective counts at a time
-WRITER_NICE = 10              # the writer thread's nice value: encoding and sending yield to the forward passes
 
 
 class KVBlockStore:
@@ -56,15 +51,8 @@ class KVBlockStore:
         self.remote = remote
         self.disk = disk
         self.cost = TransferCost(layout.kv_bytes, layout.block_size)
-        self.max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0
-        self._pending_lock = threading.Lock()
-        self._known: OrderedDict[BlockHash, None] = OrderedDict()    # written (or read) as far as this process knows
-        self._queue: queue.Queue[list[tuple[BlockHash, BlockData]] | threading.Event | None] = queue.Queue()
-        self._writer: threading.Thread | None = None
-        if remote is not None or disk is not None:
-            self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
-            self._writer.start()
+        # the queue and thread that write to disk and Redis, and the hashes known to be written (or read)
+        self.writer = BlockWriter(layout, remote, disk, key, max_pending_bytes)
 
     @property
     def writes(self) -> bool:
@@ -89,13 +77,13 @@ class KVBlockStore:
 
     def known(self, h: BlockHash) -> bool:
         """Whether this process wrote (or read) the block: it need not be written again."""
-        return h in self._known
+        return self.writer.known(h)
 
     def count_match(self, h: BlockHash) -> bool:
         """Counts a new request's match of the cached block `h` (write_through_selective) -> whether the block is
         now due: matched write_threshold times and not written yet. Counts of the MAX_COUNTED blocks matched
         last are kept."""
-        if h in self._known:
+        if self.writer.known(h):
             return False
         n = self._matches.pop(h, 0) + 1
         if n >= self.write_threshold:
@@ -144,7 +132,7 @@ class KVBlockStore:
                 self.disk.drop(h)
                 break
             size += len(value)
-            self._remember(h)
+            self.writer.remember(h)
         if out:
             metrics.KV_STORE_HITS.labels("disk").inc(len(out))
             metrics.KV_STORE_BYTES.labels("read").inc(size)
@@ -165,7 +153,7 @@ class KVBlockStore:
                 _count_invalid(e)
                 log.warning("KV store value for block %016x not used: %s", h, e)
                 break
-            self._remember(h)
+            self.writer.remember(h)
         if out:
             metrics.KV_STORE_HITS.labels("redis").inc(len(out))
             metrics.KV_STORE_BYTES.labels("read").inc(sum(len(v) for v in values[:len(out)]))
@@ -179,13 +167,13 @@ class KVBlockStore:
             for h, block in items:
                 self.host.put(h, block)
         if self.writes and self.write_policy != "write_through":
-            self._enqueue(items)
+            self.writer.enqueue(items)
 
     def reused(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
         """Cached blocks another sequence just matched (a shared prefix): queued for the disk and Redis tiers
         (write_through_selective)."""
         if self.wants_reuse:
-            self._enqueue(items)
+            self.writer.enqueue(items)
 
     def received(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
         """Blocks another target sent (prefill/decode disaggregation, direct transfer): into host memory."""
@@ -196,101 +184,23 @@ class KVBlockStore:
     def committed(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
         """Newly filled blocks: queued for the disk and Redis tiers (write_through)."""
         if self.wants_commits:
-            self._enqueue(items)
+            self.writer.enqueue(items)
 
     def stopping(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
         """Some of the blocks the cache still holds at a clean stop: written to the disk and Redis tiers
         (write_back), waiting for the writer (so that a whole cache passes under the pending-bytes bound)."""
         if self.wants_cache_at_stop:
-            self._enqueue(items)
-            self.flush()
-
-    def _enqueue(self, items: Sequence[tuple[BlockHash, BlockData]]) -> None:
-        """Queued for the writer, unless known to be written already or the writer is too far behind."""
-        new = [(h, b) for h, b in items if h not in self._known]
-        if not new:
-            return
-        size = sum(b.nbytes for _, b in new)
-        with self._pending_lock:
-            if self._pending_bytes + size > self.max_pending_bytes:
-                metrics.KV_STORE_DROPPED.inc(len(new))
-                return
-            self._pending_bytes += size
-        for h, _ in new:
-            self._remember(h)
-        self._queue.put(new)
+            self.writer.enqueue(items)
+            self.writer.flush()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Waits until every queued write went out (or failed); False on timeout."""
-        if self._writer is None:
-            return True
-        done = threading.Event()
-        self._queue.put(done)                             # the writer sets it when it gets there
-        return done.wait(timeout_s)
+        return self.writer.flush(timeout_s)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join(timeout=30)
-            self._writer = None
-            if self.remote is not None:
-                self.remote.close()
-
-    def _remember(self, h: BlockHash) -> None:
-        self._known[h] = None
-        self._known.move_to_end(h)
-        if len(self._known) > KNOWN_HASHES:
-            self._known.popitem(last=False)
-
-    def _write_disk(self, batch: list[tuple[BlockHash, bytes]]) -> None:
-        """Writes a batch to the disk tier; a block that fails (a full disk) is counted and forgotten, so that its
-        next commit tries again, and the rest of the batch, and Redis, go on."""
-        written, failed, error = 0, 0, None
-        for h, v in batch:
-            try:
-                self.disk.put(h, v)
-                written += len(v)
-            except OSError as e:
-                failed, error = failed + 1, e
-                self._known.pop(h, None)
-        metrics.KV_STORE_BYTES.labels("write").inc(written)
-        if failed:
-            metrics.KV_STORE_WRITE_FAILURES.labels("disk").inc(failed)
-            log.warning("%d KV blocks not written to the disk tier: %s", failed, error)
-
-    def _write_loop(self) -> None:
-        try:                                     # Linux: a thread's own nice value; the steps' threads go first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            items = self._queue.get()
-            if items is None:
-                return
-            if isinstance(items, threading.Event):
-                items.set()
-                continue
-            size = sum(b.nbytes for _, b in items)
-            try:
-                for start in range(0, len(items), WRITE_BATCH):
-                    batch = [(h, encode(h, self.layout, b, self.key)) for h, b in items[start:start + WRITE_BATCH]]
-                    if self.disk is not None:
-                        self._write_disk(batch)
-                    if self.remote is None:
-                        continue
-                    t0 = time.perf_counter()
-                    if self.remote.put(self.tag, batch):
-                        metrics.KV_STORE_WRITE_SECONDS.observe(time.perf_counter() - t0)
-                        metrics.KV_STORE_BYTES.labels("write").inc(sum(len(v) for _, v in batch))
-                    else:
-                        metrics.KV_STORE_WRITE_FAILURES.labels("redis").inc(len(batch))
-                        for h, _ in batch:
-                            self._known.pop(h, None)
-            except Exception:                                 # a writer that dies would leak the pending bytes
-                log.exception("KV store write failed")
-            finally:
-                with self._pending_lock:
-                    self._pending_bytes -= size
+        self.writer.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def _count_invalid(e: InvalidBlock) -> None:

@@ -10,7 +10,8 @@ from shared.model.config import ModelConfig
 from shared.model.deepseek_v3 import DeepseekV3ForCausalLM
 from shared.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from shared.model.llama import LlamaForCausalLM, MistralForCausalLM
-from shared.model.loader import gguf_quant_types, iter_weights, load_config, read_hf_config
+from shared.model.gguf_loader import gguf_quant_types
+from shared.model.loader import iter_weights, load_config, read_hf_config
 from shared.model.mixtral import MixtralForCausalLM
 from shared.model.olmoe import OlmoeForCausalLM
 from shared.model.phi3 import Phi3ForCausalLM

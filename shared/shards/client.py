@@ -21,31 +21,22 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from collections.abc import Iterator
 from functools import partial
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import REGISTRY, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily
 
 from shared import telemetry, tensor_codec
 from shared.errors import PeerUnavailable
 from shared.model.config import ModelConfig
 from shared.model.placement import Placement, Unit, combine, plan_dispatch, replica_table
 from shared.rpc.channel import sync_channel
+from shared.shards.metrics import EXPERT_TOKENS, RPC_SECONDS, RPCS, STALLS, WIRE_BYTES
 from upesi.v1 import experts_pb2, experts_pb2_grpc
 
 log = logging.getLogger("upesi.remote_ffn")
 
-RPCS = Counter("upesi_expert_rpcs_total", "Dispatch RPCs sent to expert shards", ["shard", "code"])
-RPC_SECONDS = Histogram("upesi_expert_rpc_seconds", "Dispatch RPC latency, send to reply", ["shard"],
-                        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
-WIRE_BYTES = Counter("upesi_expert_wire_bytes_total", "Dispatch message bytes", ["direction"])
-STALLS = Counter("upesi_expert_stalls_total", "Dispatch RPCs given up on before their deadline: the shard took far "
-                 "longer than its measured time and had a replica, or did not answer its health check", ["shard"])
 _FAILOVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 STALL_FACTOR = 10.0       # a call this many times its expected time is stalled ...
 STALL_FLOOR_S = 0.1       # ... and at least this long
@@ -102,7 +93,7 @@ class ExpertsClient:
         self._ok = [RPCS.labels(str(s), "OK") for s in range(n)]
         self._seconds = [RPC_SECONDS.labels(str(s)) for s in range(n)]
         self._sent, self._received = WIRE_BYTES.labels("sent"), WIRE_BYTES.labels("received")
-        _TOKENS.clients.add(self)
+        EXPERT_TOKENS.clients.add(self)
 
     # ---------------------------------------------------------------- start-up and placement
     def wait_ready(self, cfg: ModelConfig, timeout_s: float) -> list[experts_pb2.ShardInfoResponse]:
@@ -291,31 +282,3 @@ class ExpertsClient:
 
 def _observe(hist, t0: float, fut) -> None:
     hist.observe(time.perf_counter() - t0)
-
-
-class _ExpertTokens:
-    """Exports `upesi_expert_tokens_total{layer, expert}` from the clients' load tables at scrape time, so the hot
-    path only adds to a tensor. Dense layers count each FFN slice as an expert."""
-
-    def __init__(self) -> None:
-        self.clients: weakref.WeakSet[ExpertsClient] = weakref.WeakSet()
-
-    def describe(self) -> list:
-        return [CounterMetricFamily("upesi_expert_tokens", "Tokens routed to each expert (dense layers: FFN slices)",
-                                    labels=["layer", "expert"])]
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        fam = self.describe()[0]
-        totals: dict[tuple[str, str], float] = {}
-        for c in list(self.clients):
-            for table in c.tokens.values():
-                for layer, unit in table.nonzero().tolist():
-                    key = (str(layer), str(unit))
-                    totals[key] = totals.get(key, 0.0) + float(table[layer, unit])
-        for key, value in sorted(totals.items()):
-            fam.add_metric(list(key), value)
-        yield fam
-
-
-_TOKENS = _ExpertTokens()
-REGISTRY.register(_TOKENS)

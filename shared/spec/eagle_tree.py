@@ -62,19 +62,7 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
                                    device=dev)                                                         # [B, F]
         feats = node_feat[torch.arange(b, device=dev)[:, None], parent_slot]                          # [B, F, D]
         pos = torch.tensor([[o + d - 1] * f for o in origin], device=dev)                             # [B, F]
-        # the tree part of the mask, built on the host: a row attends to its ancestors' slots and to itself
-        # (a padding row: only itself)
-        tree_mask = [[[False] * (m + f) for _ in range(f)] for _ in range(b)]
-        for i in range(b):
-            for r in range(f):
-                row = tree_mask[i][r]
-                row[m + r] = True
-                if r < len(frontier[i]):
-                    slot_of[i][frontier[i][r]] = m + r
-                    a = pool[i][frontier[i][r]][3]
-                    while a >= 0:                                    # its ancestors
-                        row[slot_of[i][a]] = True
-                        a = pool[i][a][3]
+        tree_mask = _tree_mask(pool, frontier, slot_of, m, f)                                        # [B, F, M + F]
         mask = torch.cat([real_mask[:, None, :].expand(b, f, p), torch.tensor(tree_mask, device=dev)], -1)
         past = (torch.cat([real_k] + ([tree_k] if tree_k is not None else []), 1),
                 torch.cat([real_v] + ([tree_v] if tree_v is not None else []), 1))
@@ -86,15 +74,38 @@ def draft_trees(head: EagleHead, states: list, last: torch.Tensor, ks: list[int]
         child_score, child_idx = child_score.tolist(), child_idx.tolist()
         d += 1
         for i in range(b):
-            cands = [(pool[i][j][0] + cs, t, j) for r, j in enumerate(frontier[i])
-                     for cs, t in zip(child_score[i][r], child_idx[i][r])]
-            cands.sort(key=lambda x: -x[0])
-            first = len(pool[i])
-            pool[i] += [(sc, d, t, j) for sc, t, j in cands[:width]]   # the W best children of the frontier
-            new = list(range(first, len(pool[i])))
+            new = _add_children(pool[i], frontier[i], child_score[i], child_idx[i], width, d)
             frontier[i] = _worth_expanding(pool[i], new, max_nodes) if d < ks[i] else []
     ranked = [_ranked(pool[i], ks[i], max_nodes) for i in range(b)]
     return [_select(pool[i], r, head.id_map) for i, r in enumerate(ranked)]
+
+
+def _tree_mask(pool: list, frontier: list[list[int]], slot_of: list[dict[int, int]], m: int, f: int
+               ) -> list[list[list[bool]]]:
+    """The tree part of a pass's mask, built on the host, [B][F][M + F]: a row attends to its ancestors' slots and
+    to itself (a padding row: only itself). Records each frontier node's slot (m + its row) in slot_of."""
+    tree_mask = [[[False] * (m + f) for _ in range(f)] for _ in frontier]
+    for i, fr in enumerate(frontier):
+        for r in range(f):
+            row = tree_mask[i][r]
+            row[m + r] = True
+            if r < len(fr):
+                slot_of[i][fr[r]] = m + r
+                a = pool[i][fr[r]][3]
+                while a >= 0:                                        # its ancestors
+                    row[slot_of[i][a]] = True
+                    a = pool[i][a][3]
+    return tree_mask
+
+
+def _add_children(pool: list[tuple[float, int, int, int]], frontier: list[int], child_score: list, child_idx: list,
+                  width: int, d: int) -> list[int]:
+    """Adds the W best children (at depth d) of the frontier's nodes to the pool -> their pool indices."""
+    cands = [(pool[j][0] + cs, t, j) for r, j in enumerate(frontier) for cs, t in zip(child_score[r], child_idx[r])]
+    cands.sort(key=lambda x: -x[0])
+    first = len(pool)
+    pool += [(sc, d, t, j) for sc, t, j in cands[:width]]
+    return list(range(first, len(pool)))
 
 
 def _worth_expanding(pool: list[tuple[float, int, int, int]], nodes: list[int], max_nodes: int) -> list[int]:

@@ -33,8 +33,21 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
     with gguf's own Q4_0 / Q4_1 / Q8_0), or None for fp32."""
     import gguf
     c = model.config
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), arch)
+    rope = _write_metadata(w, c, arch)
+    _write_weights(w, model, arch, quant)
+    _write_rope_tensors(w, c, arch, rope)
+    for name, t in (extra_tensors or {}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_metadata(w, c, arch: str) -> dict:
+    """The config's fields as llama.cpp's converter writes them -> the RoPE parameters of full attention."""
+    import gguf
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -63,6 +76,14 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
     if getattr(c, "num_experts", None):
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
+    return rope
+
+
+def _write_weights(w, model: torch.nn.Module, arch: str, quant: Callable[[str], Any] | None) -> None:
+    """The state dict under llama.cpp's names and conventions (Gemma's norms + 1, Llama's permuted q / k rows)."""
+    import gguf
+    c = model.config
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.num_hidden_layers)
     for name, t in model.state_dict().items():
         base, kind = name.rsplit(".", 1)
         if base.endswith("mlp.experts"):    # transformers' own stacks: [E, 2I, D] gate then up, [E, D, I] down
@@ -89,6 +110,10 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
             w.add_tensor(f"{names.get_name(base)}.{kind}", gguf.quants.quantize(t.float().numpy(), qt), raw_dtype=qt)
             continue
         w.add_tensor(f"{names.get_name(base)}.{kind}", t.float().numpy())
+
+
+def _write_rope_tensors(w, c, arch: str, rope: dict) -> None:
+    """RoPE scaling that llama.cpp keeps as tensors: Llama 3's frequency divisors, Phi-3's LongRoPE factors."""
     if arch == "llama" and rope.get("rope_type") == "llama3":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         dim = c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads
@@ -103,9 +128,3 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(old)) if scale > 1 else 1.0)
         for kind in ("long", "short"):
             w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
-    for name, t in (extra_tensors or {}).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()

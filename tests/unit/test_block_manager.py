@@ -123,9 +123,9 @@ def test_fork_shares_and_copy_on_write_copies_the_partial_block():
         s.token_ids.append(50 + s.index)              # each samples its own next token
     assert bm.can_append(parent, 7)
     bm.append(parent, 7)                              # writes position 6 into shared block 1: copy first
-    assert parent.block_table == [0, 2] and bm.pending_copies == [(1, 2)]
+    assert parent.block_table == [0, 2] and bm.take_cache_work().copies == [(1, 2)]
     bm.append(child, 7)                               # block 1 is now the child's alone: no copy
-    assert child.block_table == [0, 1] and bm.pending_copies == [(1, 2)]
+    assert child.block_table == [0, 1] and bm.take_cache_work().copies == []
     assert bm.ref_counts[:3] == [2, 1, 1]
     bm.free(parent), bm.free(child)
     assert bm.ref_counts == [0] * 8 and bm.num_free_blocks == 8

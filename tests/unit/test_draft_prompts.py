@@ -41,7 +41,7 @@ def test_user_turn_prefix_is_the_template_up_to_the_message() -> None:
 
 
 def test_train_draft_reads_several_prompt_files_each_prompt_once(tmp_path) -> None:
-    from services.train_draft_cmd import read_prompts
+    from services.draft_data import read_prompts
     (tmp_path / "a.txt").write_text("What is rain?\n\nTell me a joke.\n")
     (tmp_path / "b.txt").write_text("  Tell me a joke.  \nName three rivers.\n")
     assert read_prompts(f"{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}") == [

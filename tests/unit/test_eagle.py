@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.train_draft_cmd import reduced_vocab
+from services.draft_data import reduced_vocab
 from shared.engine.sequence import Sequence
 from shared.model.llama import RMSNorm
 from shared.sampling_params import SamplingParams
@@ -238,7 +238,7 @@ def test_tree_settings_come_from_serving_unless_set_and_bad_ones_are_refused(tmp
 
 def test_batched_teacher_features_equal_one_sequence_at_a_time(tmp_path):
     """train-draft's features: several sequences per forward pass give each one's hidden states, exactly."""
-    from services.train_draft_cmd import teacher_features
+    from services.draft_data import teacher_features
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.testing.tiny_llama import save_tiny
@@ -257,7 +257,7 @@ def test_batched_teacher_features_equal_one_sequence_at_a_time(tmp_path):
 def test_features_cache_computes_only_new_sequences(tmp_path):
     """train-draft --features-cache: a rerun with more sequences reuses the stored hidden states of the old ones
     (the file is not read as a whole-or-nothing match) and computes the new ones, equal to a fresh computation."""
-    from services.train_draft_cmd import cached_features, teacher_features
+    from services.draft_data import cached_features, teacher_features
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.testing.tiny_llama import save_tiny
@@ -283,7 +283,7 @@ def test_features_cache_computes_only_new_sequences(tmp_path):
 def test_sampled_answers_are_seeded_cached_apart_from_greedy_and_reused(tmp_path):
     """train-draft --sampled-answers: round r at a temperature is reproducible (seeded per prompt and round),
     differs from the greedy answers, is cached under its own key, and a rerun reads it back without generating."""
-    from services.train_draft_cmd import generate_answers
+    from services.draft_data import generate_answers
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.testing.tiny_llama import save_tiny
@@ -316,7 +316,8 @@ def test_answer_only_loss_counts_answer_pairs_and_keeps_prompt_features_real():
 def test_training_answers_pick_greedy_and_the_named_sampled_rounds(tmp_path):
     """train-draft --greedy-answers / --sampled-answers / --first-sample-round: the training text is the greedy
     answers (when asked) then sampled rounds first .. first + N - 1, paired with their prompts; no text is refused."""
-    from services.train_draft_cmd import TrainDraftConfig, generate_answers, training_answers
+    from services.draft_data import generate_answers, training_answers
+    from services.train_draft_cmd import TrainDraftConfig
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.testing.tiny_llama import save_tiny

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from shared.model import loader
+from shared.model import gguf_loader, loader
 from shared.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
@@ -48,13 +48,13 @@ def test_gguf_is_parsed_once_per_start_up_and_the_parse_is_dropped_after_the_wei
     opened = []
     real = gguf_index.GGUFIndex
     monkeypatch.setattr(gguf_index, "GGUFIndex", lambda path: opened.append(path) or real(path))   # the real index
-    loader._reader.cache_clear()
-    loader._parsed_config.cache_clear()
+    gguf_loader._reader.cache_clear()
+    gguf_loader._parsed_config.cache_clear()
     cfg = loader.load_config(model_path)
     assert loader.load_config(model_path) == cfg                        # a shard asks twice
     names = [name for name, _ in loader.iter_weights(model_path, cfg, progress=False)]
     assert len(opened) == 1                                             # config and weights share one parse
-    assert loader._reader.cache_info().currsize == 0                    # dropped once the weights are read
+    assert gguf_loader._reader.cache_info().currsize == 0                    # dropped once the weights are read
     fresh = gguf.GGUFReader(model_path)                                 # independent: the file's own fields
     assert cfg.hidden_size == fresh.fields["llama.embedding_length"].contents()
     assert cfg.num_layers == fresh.fields["llama.block_count"].contents()
