@@ -23,8 +23,8 @@
 
 #include "qgemm.h"
 
-#define MR 2      // rows per register tile
-#define P 4       // accumulators per row and panel: vdpbf16ps's latency is about four times its issue interval
+#define MR 6      // rows per register tile: a 5-node draft tree's verification (6 rows) is one tile
+#define P 2       // accumulators per row and panel: MR x 2 panels x P = 24 independent vdpbf16ps chains
 
 // Rows r0 .. r0 + mr of one block: tot [rows][32] += scale * (x . e - shift * sx) + min * sx.
 static inline __attribute__((always_inline)) void rows_block(const uint16_t *x, int64_t ldx, int mr, int bkk,
@@ -50,7 +50,7 @@ static inline __attribute__((always_inline)) void rows_block(const uint16_t *x, 
     for (int r = 0; r < mr; r++) {
         __m512 s = _mm512_set1_ps(sx[r * nb]), corr = _mm512_set1_ps(shift * sx[r * nb]);
         for (int p = 0; p < 2; p++) {
-            __m512 sum = _mm512_add_ps(_mm512_add_ps(a[r][p][0], a[r][p][1]), _mm512_add_ps(a[r][p][2], a[r][p][3]));
+            __m512 sum = _mm512_add_ps(a[r][p][0], a[r][p][1]);
             __m512 t = _mm512_fmadd_ps(_mm512_sub_ps(sum, corr), sc[p], _mm512_loadu_ps(tot + UNIT * r + 16 * p));
             if (has_min)
                 t = _mm512_fmadd_ps(mn[p], s, t);
@@ -80,10 +80,17 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
                     const uint16_t *xr = x + r0 * ldx + b * bf;
                     const float *sxr = sx + r0 * q.nb + b;
                     float *tr = tot + UNIT * r0;
-                    if (m - r0 < MR)                       // constant row counts: accumulators stay in registers
-                        rows_block(xr, ldx, 1, q.bkk, buf, sc, mn, q.has_min, q.shift, sxr, q.nb, tr);
-                    else
-                        rows_block(xr, ldx, MR, q.bkk, buf, sc, mn, q.has_min, q.shift, sxr, q.nb, tr);
+                    // a constant row count per call: the accumulators stay in registers
+                    #define ROWS(R) rows_block(xr, ldx, R, q.bkk, buf, sc, mn, q.has_min, q.shift, sxr, q.nb, tr)
+                    switch (m - r0 < MR ? m - r0 : MR) {
+                        case 1: ROWS(1); break;
+                        case 2: ROWS(2); break;
+                        case 3: ROWS(3); break;
+                        case 4: ROWS(4); break;
+                        case 5: ROWS(5); break;
+                        default: ROWS(MR);
+                    }
+                    #undef ROWS
                 }
             }
             store_unit(tot, m, bias, n, u * UNIT, y, ldy, out_f32);
