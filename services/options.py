@@ -105,9 +105,10 @@ def expert_placement() -> Any:
 
 # ---------------------------------------------------------------- KV block store
 def kv_store() -> Any:
-    return option(None, "KV block store shared by the targets: redis://[:password@]host:port/db. Full blocks are "
-                        "written there as they fill (in the background) and read on a prefix-cache miss, while "
-                        "reading is measured cheaper than computing (default: none)")
+    return option(None, "KV block store shared by the targets: redis://[:password@]host:port/db, or rediss://...?"
+                        "ssl_ca_certs=CA.pem for TLS. Full blocks are written there as they fill (in the background) "
+                        "and read on a prefix-cache miss, while reading is measured cheaper than computing "
+                        "(default: none)")
 
 
 def kv_store_key() -> Any:

@@ -36,7 +36,8 @@ class ServeConfig:
     target_address: str = option("127.0.0.1:50061", "first target's gRPC address (replica i listens on port + i)")
     target_metrics_port: int = option(8061, "first target's /metrics port, + i for replica i (0 = off)")
     target_replicas: int = option(1, "number of target replicas")
-    registry: str | None = option(None, "prefix-block registry shared by router and targets: redis://host:port/db")
+    registry: str | None = option(None, "prefix-block registry shared by router and targets: redis://host:port/db "
+                                         "(rediss://host:port/db?ssl_ca_certs=CA.pem for TLS)")
     kv_cache_gb: float = option(1.0, "target KV cache size in GiB")
     kv_store: str | None = options.kv_store()
     kv_store_key: str | None = options.kv_store_key()

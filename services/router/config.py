@@ -34,7 +34,8 @@ class RouterConfig(options.TLS):
                                               "--kv-transfer); the --target replica then decodes (default: none, "
                                               "every target prefills its own requests)")
     kv_transfer: str = options.kv_transfer()
-    registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (default: load only)")
+    registry: str | None = option(None, "prefix-block registry to route by: redis://host:port/db (rediss:// for "
+                                         "TLS; default: load only)")
     model: str | None = option(None, "model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)")
     chat_template: str | None = option(None, "a Jinja chat template file used instead of the model's own")
     reasoning_parser: str = option("", "think: a chat answer's <think>...</think> (Qwen3, DeepSeek-R1) is returned as "

@@ -81,7 +81,8 @@ class TargetConfig(options.TLS):
                                          "once its answers are measured, a step waits 10x their usual time (at "
                                          "least 0.2 s). Past it those requests decode without drafts, and no step "
                                          "waits, until the draft answers")
-    registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (default: none)")
+    registry: str | None = option(None, "prefix-block registry to publish to: redis://host:port/db (rediss:// for "
+                                         "TLS; default: none)")
     replica_id: str | None = option(None, "this replica's name in the registry (default: its address)")
     expert_shards: str | None = option(None, "expert shard addresses, comma-separated in shard order: every layer's "
                                              "FFN runs there (default: none, FFNs run in this process)")

@@ -71,7 +71,7 @@ class RedisTier:
         self._reader = redis.Redis.from_url(url, socket_timeout=read_timeout_s,           # the engine thread's
                                             socket_connect_timeout=read_timeout_s, retry=Retry(NoBackoff(), 0))
         kw = self._redis.connection_pool.connection_kwargs
-        self.where = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+        self.where = f"{url.partition(':')[0]}://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
         self.budget_bytes, self.ttl_ms = budget_bytes, max(1, round(ttl_s * 1000))
         self.prefix = prefix
         self._put = self._redis.register_script(_PUT)

@@ -21,11 +21,14 @@ def _redis(url: str, lease_s: float) -> PrefixRegistry:
     return RedisRegistry(url, lease_s=lease_s)
 
 
-_BACKENDS: dict[str, Callable[[str, float], PrefixRegistry]] = {"memory": _memory, "redis": _redis}
+_BACKENDS: dict[str, Callable[[str, float], PrefixRegistry]] = {"memory": _memory, "redis": _redis,
+                                                                 "rediss": _redis}
 
 
 def open_registry(url: str | None, *, lease_s: float = DEFAULT_LEASE_S) -> PrefixRegistry:
-    """None, "" or "memory" -> an in-process `MemoryRegistry`; "redis://host:port/db" -> a `RedisRegistry`.
+    """None, "" or "memory" -> an in-process `MemoryRegistry`; "redis://host:port/db" -> a `RedisRegistry`;
+    "rediss://host:port/db?ssl_ca_certs=CA.pem" the same over TLS (redis-py's URL options, e.g. ssl_certfile and
+    ssl_keyfile for a client certificate).
 
     Opening never connects: an unreachable Redis shows up later as `RegistryUnavailable`, which routing and publishing
     ride out. An unknown scheme raises ValueError.
@@ -35,7 +38,8 @@ def open_registry(url: str | None, *, lease_s: float = DEFAULT_LEASE_S) -> Prefi
     scheme = urlsplit(url).scheme
     backend = _BACKENDS.get(scheme)
     if backend is None:
-        raise ValueError(f"unknown registry URL {redact_url(url)!r}: use 'memory' or 'redis://host:port/db'")
+        raise ValueError(f"unknown registry URL {redact_url(url)!r}: use 'memory', 'redis://host:port/db' "
+                         "or 'rediss://host:port/db'")
     return backend(url, lease_s)
 
 

@@ -78,7 +78,7 @@ class RedisRegistry(PrefixRegistry):
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1)
         )
         kw = self._redis.connection_pool.connection_kwargs
-        self._where = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+        self._where = f"{url.partition(':')[0]}://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
         self._prefix = prefix
         self._lease_ms = max(1, round(lease_s * 1000))
         self._retry_after_s = retry_after_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ def free_port() -> int:
 
 class RedisServer:
     def __init__(self, workdir: Path, port: int | None = None, binary: str = "redis-server",
-                 password: str | None = None, users: Sequence[str] = ()) -> None:
+                 password: str | None = None, users: Sequence[str] = (), tls: dict[str, Path] | None = None) -> None:
         path = shutil.which(binary)
         if path is None:
             raise RuntimeError(f"{binary} not found on PATH; install Redis (e.g. apt-get install redis-server)")
@@ -38,10 +39,14 @@ class RedisServer:
         self._picked_port = port is None
         self.password = password               # requirepass, from a config file (not on the command line)
         self.users = tuple(users)              # ACL users, each a config file `user` line's rules
+        self.tls = tls                         # {"ca", "cert", "key"} PEM files: TLS only, no plaintext port
 
     @property
     def url(self) -> str:
+        """The URL clients use; with TLS, rediss:// verifying the server against the test CA."""
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls['ca']}&ssl_cert_reqs=required"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
@@ -70,13 +75,15 @@ class RedisServer:
     def _spawn(self) -> None:
         log = self.workdir / "redis.log"
         conf = self.workdir / "redis.conf"
+        tls = (f"tls-cert-file {self.tls['cert']}\ntls-key-file {self.tls['key']}\n"
+               f"tls-ca-cert-file {self.tls['ca']}\ntls-auth-clients no\n") if self.tls else ""
         conf.write_text((f"requirepass {self.password}\n" if self.password else "")
-                        + "".join(f"user {u}\n" for u in self.users))
+                        + "".join(f"user {u}\n" for u in self.users) + tls)
+        ports = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
         args = [
             self.binary,
             str(conf),
-            "--port",
-            str(self.port),
+            *ports,
             "--bind",
             "127.0.0.1",
             "--dir",
@@ -104,7 +111,11 @@ class RedisServer:
 
     def _ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as raw:
+                s = raw
+                if self.tls:
+                    s = ssl.create_default_context(cafile=str(self.tls["ca"])).wrap_socket(raw,
+                                                                                         server_hostname="127.0.0.1")
                 s.sendall(b"PING\r\n")
                 reply = s.recv(64)
                 return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH") or reply.startswith(b"-NOPERM")

@@ -9,19 +9,14 @@ internal port alike.
 """
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from shared.sampling_params import SamplingParams
+from shared.testing.pki import make_pki
 from tests.conftest import Stack, free_port
 from upesi.v1 import generation_pb2 as pb
 from upesi.v1 import generation_pb2_grpc, target_pb2, target_pb2_grpc
@@ -32,42 +27,10 @@ PROMPT = "red green blue, red green blue, red green blue, red green"    # repeat
 TOKENS = 8
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _cert(subject: str, issuer: x509.Name, issuer_key, key, ca: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer).public_key(key.public_key())
-         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-         .not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        b = (b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                          x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                             critical=False)
-             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                            critical=False))
-    return b.sign(issuer_key, hashes.SHA256())
-
-
-def _pki(tmp: Path, tag: str) -> dict[str, Path]:
-    """A CA and one leaf certificate it signed, as PEM files."""
-    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = _cert(f"upesi test CA {tag}", _name(f"upesi test CA {tag}"), ca_key, ca_key, ca=True)
-    leaf = _cert("upesi service", ca.subject, ca_key, leaf_key, ca=False)
-    files = {"ca": tmp / f"{tag}-ca.pem", "cert": tmp / f"{tag}-cert.pem", "key": tmp / f"{tag}-key.pem"}
-    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    files["cert"].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                    serialization.NoEncryption()))
-    return files
-
-
 @pytest.fixture(scope="module")
 def mtls_stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tls")
-    pki, other = _pki(tmp, "ours"), _pki(tmp, "other")
+    pki, other = make_pki(tmp, "ours"), make_pki(tmp, "other")
     target = free_port()
     s = Stack(tmp, ["--tls-cert", str(pki["cert"]), "--tls-key", str(pki["key"]), "--tls-ca", str(pki["ca"]),
                     "--target-address", f"127.0.0.1:{target}", "--draft", "ngram",
