@@ -2,8 +2,9 @@
 """Why bf16 makes speculative verification cheap on CPU: the time of one forward step's linear layers on the
 default model's shapes (30 layers of qkv 576->960, o 576->576, gate/up 576->2x1536, down 1536->576; fresh weights
 per layer, so they stream from memory as in serving), by rows in the step (1 = a decode, K + 1 = verifying K drafts)
-and by dtype; `bf16-packed` is bf16 as the services run it on this CPU (shared.ops.packed_linear: the rows kernel's
-panels where AVX512-BF16 runs, taken by the AMX kernel where AMX runs, else oneDNN's prepacked copy);
+and by dtype; `q4_1-packed` is the GGUF's Q4_1 layers kept packed (shared.ops.qgemm: AMX, else AVX512-BF16,
+else AVX2 in fp32); `bf16-packed` is bf16 as the services run it on this CPU (shared.ops.packed_linear: the rows
+kernel's panels where AVX512-BF16 runs, taken by the AMX kernel where AMX runs, else oneDNN's prepacked copy);
 `bf16-onednn` oneDNN's prepacked copy, `bf16-avx512` and `bf16-amx` the two rows kernels on the same panels
 (shared.ops.rows_gemm_bf16), each where it runs; `f32-rows` is fp32 in the panels of the AVX2 rows kernel, as the
 services run fp32 where it is available (shared.ops.rows_gemm).
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.ops import rows_gemm, rows_gemm_bf16  # noqa: E402
+from shared.ops import qgemm, rows_gemm, rows_gemm_bf16  # noqa: E402
+from shared.ops.block_quant import example  # noqa: E402
 from shared.ops.packed_linear import pack_weight, packed_linear, packing_available  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (2 * 1536, 576), (576, 1536)]          # (out, in) of each linear of a layer
@@ -49,6 +51,10 @@ def _kinds() -> dict:
             kinds["bf16-amx"] = (torch.bfloat16, *_kernel(rows_gemm_bf16._amx_lib().upesi_rows_gemm_amx))
     if rows_gemm.available():
         kinds["f32-rows"] = (torch.float32, pack_weight, packed_linear)
+    if qgemm.available():                                     # random Q4_1 codes of the weight's shape
+        g = torch.Generator().manual_seed(0)
+        kinds["q4_1-packed"] = (torch.bfloat16, lambda w: qgemm.QWeight(example("u4", *w.shape, 32, g, True)),
+                                lambda x, w: qgemm.linear(x, w))
     return kinds
 
 
