@@ -157,7 +157,8 @@ class ExpertsClient:
         plan = self._plan(layer, dense, ids)
         parts, failed = self._send(layer, x, flat_ids, flat_w, plan)
         if failed:
-            avoid = self._avoid()
+            # the shards that just failed, whatever their avoid window says: waiting on the others may outlast it
+            avoid = self._avoid() | frozenset(failed)
             retry = torch.cat([plan[s].slots for s in failed])
             table = self.placement.table(layer, dense)
             stuck = [u for u in torch.unique(flat_ids[retry].long()).tolist() if set(table[u]) <= avoid]

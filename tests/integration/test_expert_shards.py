@@ -257,6 +257,11 @@ def test_routed_experts_on_shards_equal_local_with_replicas_fail_over_and_rebala
             w = torch.rand(3, 2)
             got = client.run(1, x, ids, w)                          # experts 4..7 fail over to shard 0
             assert client._avoid() == {1}
+            # the same where shard 1's avoid window has run out by the retry (the other shards' replies took
+            # longer than retry_after_s): the retry still goes to the shard that answered
+            brief = ExpertsClient(addresses, placement, ffn_kinds(model), timeout_s=5.0, retry_after_s=0.0)
+            torch.testing.assert_close(brief.run(1, x, ids, w), got, rtol=0, atol=0)
+            brief.close()
             lonely = [e for e in range(8) if new.shards(2, e, dense=False) == (1,)][:2]
             with pytest.raises(PeerUnavailable, match="no replica"):    # refused at once, not after a deadline
                 client.run(2, x, torch.tensor([lonely] * 3), w)     # experts on shard 1 only
