@@ -18,8 +18,6 @@ class KVTransferMixin:
 
     def _open_kv_store(self, cfg: EngineConfig) -> KVBlockStore | None:
         """The block store the config asks for (None: none), wired to the block manager."""
-        if not (cfg.kv_store or cfg.kv_host_gb > 0 or cfg.kv_disk_dir):
-            return None
         store = open_block_store(self.block_layout, cfg.kv_store, cfg.kv_store_gb, cfg.kv_store_ttl_s,
                                  cfg.kv_host_gb, cfg.kv_disk_dir, cfg.kv_disk_gb, cfg.kv_store_write_policy,
                                  cfg.kv_store_write_threshold, cfg.kv_store_key)

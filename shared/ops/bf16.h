@@ -30,14 +30,20 @@ static inline __m256 bf16x8_to_f32(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-// 8 fp32 -> bf16, each as f32_to_bf16 (round to nearest even, NaN kept quiet).
-static inline __m128i f32x8_to_bf16(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
+// 8 fp32 lanes rounded to bf16 and back, each as round_bf16 (round to nearest even, NaN kept quiet).
+static inline __m256 round_bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32((int)0xffff0000u);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
     __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
                                      _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x400000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, quiet, nan));
+}
+
+// 8 fp32 -> bf16, each as f32_to_bf16.
+static inline __m128i f32x8_to_bf16(__m256 v) {
+    __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16x8(v)), 16);
     __m256i packed = _mm256_packus_epi32(r, r);                  // per 128-bit lane: r0-3 r0-3 | r4-7 r4-7
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }

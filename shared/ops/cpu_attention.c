@@ -41,22 +41,11 @@ static inline void store_row(void *base, int64_t off, int n, int bf16, const flo
         memcpy((float *)base + off, src, (size_t)n * 4);
 }
 
-// fp32 lanes rounded to bf16 (round to nearest even, NaN kept quiet) and back: f32_to_bf16 of bf16.h, 8 at once.
-static inline __m256 round_bf16_8(__m256 v) {
-    __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32((int)0xffff0000u);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                     _mm256_set1_epi32(0x7f800000));
-    __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x400000));
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, quiet, nan));
-}
-
 // x * cos + rot * sin for 8 lanes, each product and the sum rounded to bf16 where bf16 (no fused multiply-add).
 static inline __m256 rope8(__m256 x, __m256 rot, __m256 c, __m256 s, int bf16) {
     __m256 a = _mm256_mul_ps(x, c), b = _mm256_mul_ps(rot, s);
     if (!bf16) return _mm256_add_ps(a, b);
-    return round_bf16_8(_mm256_add_ps(round_bf16_8(a), round_bf16_8(b)));
+    return round_bf16x8(_mm256_add_ps(round_bf16x8(a), round_bf16x8(b)));
 }
 
 // One head [Dh] rotated in place by this row's cos / sin [Dh] (values of the dtype, so no rounding of them here).

@@ -41,8 +41,8 @@ void upesi_rms_norm(const void *x, int64_t t, int64_t ldx, int64_t d, const void
             uint16_t *yb = (uint16_t *)y + r * d;
             for (; k + 8 <= dd; k += 8) {
                 __m256 v = _mm256_mul_ps(_mm256_loadu_ps(row + k), _mm256_set1_ps(inv));
-                __m256 vb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(f32x8_to_bf16(v)), 16));
-                _mm_storeu_si128((__m128i *)(yb + k), f32x8_to_bf16(_mm256_mul_ps(vb, bf16x8_to_f32(wb + k))));
+                _mm_storeu_si128((__m128i *)(yb + k),
+                                 f32x8_to_bf16(_mm256_mul_ps(round_bf16x8(v), bf16x8_to_f32(wb + k))));
             }
         }
         for (; k < dd; k++) {

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from shared.config import env_name               # UPESI_<NAME>, as every option's variable
+
 # name -> what turning it off leaves
 KERNELS: dict[str, str] = {
     "rows_gemm": "bf16 / fp32 linear layers in prepacked panels (oneDNN or MKL instead)",
@@ -22,10 +24,6 @@ KERNELS: dict[str, str] = {
     "cpu_norm": "RMSNorm (torch instead)",
     "cpu_argmax": "the greedy argmax over the logits (torch instead)",
 }
-
-
-def env_name(kernel: str) -> str:
-    return f"UPESI_{kernel.upper()}"
 
 
 def parse(names: str | None) -> list[str]:
