@@ -211,8 +211,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1 or q.stride(1) != dh:
         q = q.contiguous()
     out = torch.empty(t, h, dh, dtype=q.dtype)
-    rows, blocks, long, longest, widest = row_descriptors(meta, not softcap and prefill_attention.amx_supports(q,
-                                                                                                         k_cache))
+    tiled = not softcap and prefill_attention.supports(q, k_cache) and prefill_attention.on_tiles(dh)
+    rows, blocks, long, longest, widest = row_descriptors(meta, tiled)
     if len(rows):
         bt = meta.block_tables
         _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),
@@ -222,7 +222,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                      softcap or 0.0)
     for b, lo in long:
         n = meta.query_lens[b]
-        if b not in meta.tree_masks and not softcap and (not window or prefill_attention.amx_supports(q, k_cache)):
+        if b not in meta.tree_masks and not softcap and (not window or prefill_attention.supports(q, k_cache)):
             out[lo:lo + n] = prefill_attention.attention(q[lo:lo + n], k_cache, v_cache, meta.block_tables[b],
                                                          meta.seq_lens_host[b], scale, window)
             continue

@@ -150,7 +150,7 @@ class DecoderStack:
         sequence's new rows within the attention kernel's limit, no prompt chunk the AMX prefill kernel takes."""
         return (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= max_rows() and not torch.is_grad_enabled()
                 and meta.max_query_len <= cpu_attention.MAX_ROWS
-                and not (prefill_attention.amx_available(self.head_dim) and cpu_attention.tiled_chunks(meta)))
+                and not (prefill_attention.on_tiles(self.head_dim) and cpu_attention.tiled_chunks(meta)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, D] bf16 (the embeddings), cos / sin [T, R] bf16 (R: the rotated dims of a head) -> the residual

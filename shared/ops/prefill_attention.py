@@ -4,14 +4,15 @@ Decode and verification rows go through shared.ops.cpu_attention one row at a ti
 or thousands of rows is matrix work, and at long prompts it is most of a prefill's time (the scores grow with the
 square of the length). Two paths, both exact against shared.ops.paged_attention.paged_attention_ref:
 
-- bf16 caches on CPUs with AMX: prefill_attention_amx.c, flash-style on tiles (16 query rows of one head against
-  blocks of 32 keys, the online softmax in fp32, blocks past a row's position or before its window never read).
+- bf16 caches on CPUs with AMX or AVX512-BF16: prefill_attention.c, flash-style (16 query rows of one head
+  against blocks of 32 keys, the online softmax in fp32, blocks past a row's position or before its window never
+  read), its products on AMX tiles where the CPU has them, else on AVX512-BF16 vectors.
 - otherwise torch's fused SDPA (its flash kernel on CPU): the chunk's own keys causally (is_causal, the key
   heads repeated for each query head), the keys cached before it without a mask (a group's query heads folded
   into rows), the two merged by their log-sum-exps. A mask would make SDPA score every pair and convert the mask
   each call; this way nothing above the diagonal is computed.
 
-Sliding windows take the AMX kernel or the reference; soft-capped scores (Gemma 2) and draft trees the reference.
+Sliding windows take the kernel or the reference; soft-capped scores (Gemma 2) and draft trees the reference.
 Shapes: n = new tokens, L = tokens in the cache after the step, H / KVH = query / key heads, Dh = head dim.
 """
 from __future__ import annotations
@@ -27,60 +28,91 @@ import torch
 from shared.ops import c_build
 from shared.ops.cpu_features import cpu_flags
 from shared.ops.paged_attention import _gather
-from shared.ops.rows_gemm_bf16 import AMX_FLAGS
+from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("prefill_attention_amx.c")
+SOURCE = Path(__file__).with_suffix(".c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGS = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, _I, ctypes.c_float, _I, ctypes.c_int]
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+def _amx_off() -> bool:
+    return os.environ.get("UPESI_AMX", "1") in ("0", "false", "no")
+
+
 @functools.cache
-def _amx_lib() -> ctypes.CDLL | None:
-    """The AMX kernel where the CPU has AMX, the OS grants its tile state and UPESI_AMX is not 0."""
-    if not {"amx_tile", "amx_bf16"} <= cpu_flags() or os.environ.get("UPESI_AMX", "1") in ("0", "false", "no"):
+def _tiles_lib() -> ctypes.CDLL | None:
+    """The kernel on AMX tiles where the CPU has AMX, the OS grants its tile state and UPESI_AMX is not 0."""
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags() or _amx_off():
         return None
-    lib = c_build.load_or_none(SOURCE, AMX_FLAGS, "UPESI_PREFILL_ATTENTION", "AMX prefill attention kernel")
+    lib = c_build.load_or_none(SOURCE, AMX_FLAGS + ["-DUPESI_AMX_TILES"], "UPESI_PREFILL_ATTENTION",
+                               "AMX prefill attention kernel")
     if lib is None:
         return None
-    lib.upesi_prefill_attention_amx.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int,
-                                                _I, ctypes.c_float, _I, ctypes.c_int]
-    lib.upesi_prefill_attention_amx.restype = ctypes.c_int
     lib.upesi_prefill_amx_setup.restype = ctypes.c_int
     if lib.upesi_prefill_amx_setup() != 0:
-        log.warning("the kernel refused this process AMX's tile state; prefill attention uses torch's SDPA")
+        log.warning("the kernel refused this process AMX's tile state; prefill attention uses AVX-512 or SDPA")
         return None
     return lib
 
 
-def amx_available(head_dim: int) -> bool:
-    """Whether the AMX kernel runs here for bf16 heads of this size (a multiple of 64, up to 256)."""
-    return head_dim % 64 == 0 and head_dim <= 256 and _amx_lib() is not None
+@functools.cache
+def _vector_lib() -> ctypes.CDLL | None:
+    """The kernel on AVX512-BF16 vectors where the CPU has them."""
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
+        return None
+    return c_build.load_or_none(SOURCE, FLAGS, "UPESI_PREFILL_ATTENTION", "AVX512-BF16 prefill attention kernel")
 
 
-def amx_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the AMX kernel takes these rows: bf16 on CPU, heads contiguous, a head size it takes."""
+def kernels() -> dict[str, ctypes.CDLL]:
+    """The builds that run here, by name ("amx", "avx512-bf16"), each ready to call."""
+    out = {name: lib for name, lib in (("amx", _tiles_lib()), ("avx512-bf16", _vector_lib())) if lib is not None}
+    for lib in out.values():
+        lib.upesi_prefill_attention.argtypes = _ARGS
+        lib.upesi_prefill_attention.restype = ctypes.c_int
+    return out
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    """The build attention() calls: on tiles where they run, else on vectors, else none (torch's SDPA)."""
+    return next(iter(kernels().values()), None)
+
+
+def available(head_dim: int) -> bool:
+    """Whether the kernel runs here for bf16 heads of this size (a multiple of 64, up to 256)."""
+    return head_dim % 64 == 0 and head_dim <= 256 and _lib() is not None
+
+
+def on_tiles(head_dim: int) -> bool:
+    """Whether the kernel runs on AMX tiles here (then prompt chunks of a few dozen rows pay on it too)."""
+    return available(head_dim) and _lib() is _tiles_lib()
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these rows: bf16 on CPU, heads contiguous, a head size it takes."""
     return (q.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu" and q.stride(2) == 1
-            and q.stride(1) == q.shape[-1] and amx_available(q.shape[-1]))
+            and q.stride(1) == q.shape[-1] and available(q.shape[-1]))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
     """q [n, H, Dh] (rotated; its n tokens are the last of the seq_len the cache holds) -> [n, H, Dh], each row
     attending causally (within `window` positions where given). block_table [MB] int64."""
-    if amx_supports(q, k_cache):
+    if supports(q, k_cache):
         n, h, dh = q.shape
         out = torch.empty(n, h, dh, dtype=q.dtype)
         table = block_table if block_table.dtype == torch.int64 and block_table.is_contiguous() else \
             block_table.to(torch.int64).contiguous()
-        rc = _amx_lib().upesi_prefill_attention_amx(
+        rc = _lib().upesi_prefill_attention(
             q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(), v_cache.data_ptr(),
             table.data_ptr(), k_cache.shape[1], n, seq_len, h, k_cache.shape[2], dh, scale, window or 0,
             torch.get_num_threads())
         if rc == 0:
             return out
     if window:
-        raise ValueError("a sliding window needs the AMX kernel or the reference")
+        raise ValueError("a sliding window needs the prefill kernel or the reference")
     return _sdpa(q, k_cache, v_cache, block_table, seq_len, scale)
 
 

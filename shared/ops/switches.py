@@ -20,7 +20,7 @@ KERNELS: dict[str, str] = {
     "cpu_decoder": "the decoder stack in one C call (module by module instead)",
     "cpu_attention": "paged attention, RoPE and the KV store for decode and verification rows (torch instead)",
     "attention_avx512": "attention's AVX-512 path (its AVX2 path instead)",
-    "prefill_attention": "tiled attention for long prefill chunks (torch's SDPA instead)",
+    "prefill_attention": "flash-style attention kernel for long prefill chunks (torch's SDPA instead)",
     "cpu_norm": "RMSNorm (torch instead)",
     "cpu_argmax": "the greedy argmax over the logits (torch instead)",
 }

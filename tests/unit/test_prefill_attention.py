@@ -1,6 +1,7 @@
-"""Long prefill chunks' attention (shared.ops.prefill_attention) against the torch reference: the AMX kernel and
-torch's SDPA split, on odd lengths, prefix-cache hits in the middle of a block, sliding windows, GQA ratios and
-head dims; and a step mixing decodes with a long chunk through shared.ops.cpu_attention."""
+"""Long prefill chunks' attention (shared.ops.prefill_attention) against the torch reference: the kernel's builds
+that run here (AMX tiles, AVX512-BF16 vectors) and torch's SDPA split, on odd lengths, prefix-cache hits in the
+middle of a block, sliding windows, GQA ratios and head dims; and a step mixing decodes with a long chunk through
+shared.ops.cpu_attention."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,16 @@ import torch
 from shared.ops import cpu_attention, prefill_attention
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
 
-amx = pytest.mark.skipif(prefill_attention._amx_lib() is None, reason="needs AMX (bf16 tiles)")
+KERNELS = prefill_attention.kernels()
+
+
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def kernel(request, monkeypatch):
+    """Each build of the kernel in turn, as attention()'s (skipped where the CPU lacks its instructions)."""
+    if request.param not in KERNELS:
+        pytest.skip(f"the {request.param} build does not run on this CPU")
+    monkeypatch.setattr(prefill_attention, "_lib", lambda: KERNELS[request.param])
+    return request.param
 
 
 def _cache(length: int, kvh: int, dh: int, dtype: torch.dtype, bs: int = 16, spread: float = 1.0, seed: int = 0):
@@ -35,9 +45,8 @@ CASES = [  # new tokens, tokens in the cache after the step, heads, kv heads, he
 ]
 
 
-@amx
 @pytest.mark.parametrize("n,length,h,kvh,dh", CASES)
-def test_amx_kernel_matches_reference(n, length, h, kvh, dh):
+def test_kernel_matches_reference(n, length, h, kvh, dh, kernel):
     k, v, table = _cache(length, kvh, dh, torch.bfloat16)
     q = torch.randn(n, h, dh, generator=torch.Generator().manual_seed(1)).bfloat16()
     got = prefill_attention.attention(q, k, v, table, length, dh ** -0.5)
@@ -46,18 +55,16 @@ def test_amx_kernel_matches_reference(n, length, h, kvh, dh):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@amx
 @pytest.mark.parametrize("n,length,window", [(300, 1000, 100), (40, 77, 33), (64, 64, 1), (50, 500, 499),
                                              (100, 9000, 4096)])
-def test_amx_kernel_sliding_window(n, length, window):
+def test_kernel_sliding_window(n, length, window, kernel):
     k, v, table = _cache(length, 3, 64, torch.bfloat16)
     q = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = prefill_attention.attention(q, k, v, table, length, 0.125, window)
     torch.testing.assert_close(got.float(), _reference(q, k, v, table, length, 0.125, window), rtol=2e-2, atol=2e-2)
 
 
-@amx
-def test_amx_kernel_peaked_scores():
+def test_kernel_peaked_scores(kernel):
     """Scores far apart (keys scaled up): columns' maxima grow block after block, and most weights round to 0."""
     k, v, table = _cache(700, 3, 64, torch.bfloat16, spread=8.0)
     q = torch.randn(600, 9, 64, generator=torch.Generator().manual_seed(3)).bfloat16() * 4
@@ -65,8 +72,7 @@ def test_amx_kernel_peaked_scores():
     torch.testing.assert_close(got.float(), _reference(q, k, v, table, 700, 0.125), rtol=2e-2, atol=2e-2)
 
 
-@amx
-def test_amx_kernel_reads_strided_rows():
+def test_kernel_reads_strided_rows(kernel):
     """q as the attention layer hands it over: a view of the fused qkv rows."""
     k, v, table = _cache(200, 3, 64, torch.bfloat16)
     qkv = torch.randn(150, (9 + 6) * 64, generator=torch.Generator().manual_seed(4)).bfloat16()

@@ -1,24 +1,27 @@
-// Prefill attention on AMX tiles: one sequence's chunk of new tokens against its paged bf16 cache, flash-style
+// Prefill attention, flash-style: one sequence's chunk of new tokens against its paged bf16 cache
 // (shared/ops/prefill_attention.py loads this; its reference is shared.ops.paged_attention.paged_attention_ref).
+// Built twice: with UPESI_AMX_TILES the products run on AMX tiles (tdpbf16ps), without it on AVX512-BF16
+// vectors (vdpbf16ps); the packing, the softmax and the work split are the same.
 //
 // The sequence holds L tokens after this step; its n new tokens sit at positions L - n .. L - 1 and each attends
 // causally every position up to its own (with a sliding window W > 0: only positions > its own - W).
 //
 // Everything is computed transposed, keys as rows and queries as columns, so that the online softmax runs down
 // columns: 16 queries in the lanes of one vector, each key one vector, with no sums across lanes and no branches.
-// tdpbf16ps multiplies A [16 rows, 32 bf16] by B [16 pairs of the shared dimension, 16 columns x 2 bf16]:
-//   S^T [32 keys, 16 queries] = K [keys, Dh] . Q^T           A: K rows as they are; B: Q^T in pairs of dims
-//   O^T [Dh, 16 queries]     += V^T [Dh, 32 keys] . P^T      A: V^T;                B: P^T in pairs of keys
+// Both products take pairs of bf16 along the shared dimension:
+//   S^T [32 keys, 16 queries] = K [keys, Dh] . Q^T           Q^T in pairs of dims, per key a pair broadcast
+//   O^T [Dh, 16 queries]     += V^T [Dh, 32 keys] . P^T      P^T in pairs of keys, per dim a pair broadcast
+// (on tiles: tdpbf16ps multiplies A [16 rows, 32 bf16] by B [16 pairs, 16 columns x 2 bf16], K and V^T as A).
 // 1. Packing, once per call and KV head, of the keys the chunk's rows can reach (keys past L are zeros):
 //      kp[key][Dh]                     the keys gathered from their cache slots
 //      vt[block of 32 keys][Dh][32]   the values transposed (pairs of keys, then a 16 x 16 u32 transpose)
 // 2. Work items: pairs of tiles (16 consecutive queries of one head each, both of one KV head), the most keys
-//    first; Q^T packed once per tile. For each block of 32 keys up to the last query's position: S^T on four
-//    accumulator tiles (the key tiles loaded once for both); per key vector the scores are scaled into base 2
+//    first; Q^T packed once per tile. For each block of 32 keys up to the last query's position: S^T of both
+//    tiles (each key read once for both); per key vector the scores are scaled into base 2
 //    (s scale log2 e), masked on the blocks that cross a query's position or window edge, and exponentiated
 //    against the column's reference maximum (2^t by a degree-5 polynomial and scalef); the running sum and O^T
-//    (an fp32 buffer loaded onto tiles) are rescaled when a column's maximum passes the reference by 2^LAZY;
-//    P^T is rounded to bf16; O^T += V^T P^T with each V^T tile loaded once for both. Blocks past both tiles'
+//    (fp32) are rescaled when a column's maximum passes the reference by 2^LAZY;
+//    P^T is rounded to bf16; O^T += V^T P^T with each value read once for both. Blocks past both tiles'
 //    positions or before both windows are never read. out = (O^T / l)^T, rounded to bf16.
 // Shapes: q, out [n, H, Dh] bf16 with rows ldq / ldo elements apart; caches [NB, BS, KVH, Dh]; table [MB] int64.
 // Dh must be a multiple of 64, at most 256.
@@ -29,11 +32,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef UPESI_AMX_TILES
 #include "amx.h"
+#endif
 
 #define LAZY 8.0f          // a column's reference maximum moves only when the scores pass it by this (base 2)
 #define FLOOR_T (-126.0f)   // exponents (base 2) below this give 2^-126: nothing beside a column's maximum
 
+#ifdef UPESI_AMX_TILES
 int upesi_prefill_amx_setup(void) { return amx_request(); }
 
 // S^T of two query tiles: tmm0-1 / tmm2-3 (keys 0-15, 16-31), tmm4-5 K chunks, tmm6 / tmm7 Q^T chunks.
@@ -48,6 +54,9 @@ static void configure(void) {
     }
     _tile_loadconfig(&c);
 }
+#else
+static void configure(void) {}
+#endif
 
 // 2^t for t in [FLOOR_T, LAZY]: 2^n 2^f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 5 (relative error
 // below 3e-6, far under bf16's rounding of P).
@@ -166,6 +175,7 @@ static void start_tile(qtile *t, const uint16_t *q, int64_t ldq, int64_t dh) {
     memset(t->o, 0, (size_t)dh * 16 * sizeof(float));
 }
 
+#ifdef UPESI_AMX_TILES
 // S^T of two tiles for one block: the key tiles are loaded once for both, four independent sums per step.
 static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh) {
     _tile_zero(0);
@@ -209,6 +219,61 @@ static inline void accumulate(qtile *a, qtile *b, const uint16_t *vb, int64_t dh
         _tile_stored(7, b->o + (d + 16) * 16, 64);
     }
 }
+#else
+static inline __m512bh pair_at(const uint16_t *p) {           // a pair of bf16, broadcast to every lane
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// S^T of two tiles for one block, 8 keys at a time: per pair of dims both tiles' Q^T vectors, each key's pair
+// broadcast once for both (16 independent sums).
+static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh) {
+    for (int k0 = 0; k0 < 32; k0 += 8) {
+        __m512 sa[8], sb[8];
+        for (int j = 0; j < 8; j++)
+            sa[j] = sb[j] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < dh / 2; p++) {
+            __m512bh qa = (__m512bh)_mm512_loadu_si512(a->qt + 32 * p);
+            __m512bh qb = (__m512bh)_mm512_loadu_si512(b->qt + 32 * p);
+            for (int j = 0; j < 8; j++) {
+                __m512bh kk = pair_at(ka + (k0 + j) * dh + 2 * p);
+                sa[j] = _mm512_dpbf16_ps(sa[j], qa, kk);
+                sb[j] = _mm512_dpbf16_ps(sb[j], qb, kk);
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            _mm512_storeu_ps(a->s + 16 * (k0 + j), sa[j]);
+            _mm512_storeu_ps(b->s + 16 * (k0 + j), sb[j]);
+        }
+    }
+}
+
+// O^T += V^T P^T for two tiles, 8 dims at a time: per pair of keys both tiles' P^T vectors, each dim's pair of
+// values broadcast once for both.
+static inline void accumulate(qtile *a, qtile *b, const uint16_t *vb, int64_t dh) {
+    for (int64_t d0 = 0; d0 < dh; d0 += 8) {
+        __m512 oa[8], ob[8];
+        for (int j = 0; j < 8; j++) {
+            oa[j] = _mm512_loadu_ps(a->o + 16 * (d0 + j));
+            ob[j] = _mm512_loadu_ps(b->o + 16 * (d0 + j));
+        }
+        for (int p = 0; p < 16; p++) {
+            __m512bh pa = (__m512bh)_mm512_loadu_si512(a->p + 32 * p);
+            __m512bh pb = (__m512bh)_mm512_loadu_si512(b->p + 32 * p);
+            for (int j = 0; j < 8; j++) {
+                __m512bh vv = pair_at(vb + (d0 + j) * 32 + 2 * p);
+                oa[j] = _mm512_dpbf16_ps(oa[j], pa, vv);
+                ob[j] = _mm512_dpbf16_ps(ob[j], pb, vv);
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            _mm512_storeu_ps(a->o + 16 * (d0 + j), oa[j]);
+            _mm512_storeu_ps(b->o + 16 * (d0 + j), ob[j]);
+        }
+    }
+}
+#endif
 
 // The online softmax of one tile's block (keys k0 .. k0 + 31): masked where the block crosses a query's position
 // or window edge; the running maximum m and sum l (per query, in lanes) and O^T rescaled where m grew; P^T out.
@@ -306,7 +371,7 @@ static void pair_of_units(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t
 // q [n, H, Dh] bf16 (rows ldq apart, rotated), out [n, H, Dh] bf16 (rows ldo apart), caches [NB, BS, KVH, Dh]
 // bf16 already holding this chunk's keys and values, table [MB] int64, len = L, window = W (0: none).
 // Returns 0, or -1 where Dh is not a multiple of 64 up to 256 or the scratch could not be allocated.
-int upesi_prefill_attention_amx(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, const uint16_t *k_cache,
+int upesi_prefill_attention(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, const uint16_t *k_cache,
                                 const uint16_t *v_cache, const int64_t *table, int64_t bs, int64_t n, int64_t len,
                                 int h, int kvh, int64_t dh, float scale, int64_t window, int threads) {
     if (dh % 64 || dh > 256 || n <= 0 || n > len)
@@ -337,7 +402,9 @@ int upesi_prefill_attention_amx(const uint16_t *q, int64_t ldq, uint16_t *out, i
             pair_of_units(q, ldq, out, ldo, g, (int)group, 2 * (t / kvh), units, &c, n, window, scale,
                           kp + g * per_head, vt + g * per_head, w);
         }
+#ifdef UPESI_AMX_TILES
         _tile_release();
+#endif
     }
     free(kp);
     free(work);
