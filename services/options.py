@@ -195,6 +195,12 @@ class TLS(ServerTLS):
     tls_client_key: str | None = option(None, "mTLS: the client certificate's private key (PEM)")
 
 
+def anonymous_cached_tokens() -> Any:
+    return option(False, "router: report usage's cached_tokens to callers without an API key or a cache_salt of "
+                         "their own. They share one partition of the prefix cache, so the count would tell one "
+                         "caller whether another sent the same prefix; a server with one user may turn it on")
+
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 

@@ -28,6 +28,7 @@ class ServeConfig:
     chat_template: str | None = option(None, "router: a Jinja chat template file used instead of the model's own")
     reasoning_parser: str = option("", "router: think = a chat answer's <think>...</think> becomes reasoning_content")
     tool_call_parser: str = options.tool_call_parser()
+    anonymous_cached_tokens: bool = options.anonymous_cached_tokens()
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (default: the model's file or "
                                                  "folder name without extension or quantisation suffix)")
     address: str = option("127.0.0.1:50051", "router gRPC address (the public API)")

@@ -27,7 +27,8 @@ digests with hmac.compare_digest, against every configured key, so the time take
 Each key has its own partition of the prefix cache: its requests' blocks are hashed with HMAC-SHA256(secret, the
 key's digest) before the client's `cache_salt`. The secret is `--cache-secret` (UPESI_CACHE_SECRET; give every
 router of a deployment the same one), else derived from all configured keys' digests, which is stable across
-restarts and equal on routers that share the keys; anonymous callers (no keys configured) share one partition.
+restarts and equal on routers that share the keys; anonymous callers (no keys configured) share one partition,
+so their `cached_tokens` read 0 unless a request brings its own `cache_salt` (or --anonymous-cached-tokens).
 """
 from __future__ import annotations
 

@@ -62,6 +62,7 @@ class RouterConfig(options.TLS):
     cache_secret: str | None = option(None, "with API keys: the secret each key's prefix-cache partition is derived "
                                             "from; give every router of a deployment the same one (default: "
                                             "derived from the configured keys)")
+    anonymous_cached_tokens: bool = options.anonymous_cached_tokens()
     max_prompt_tokens: int = option(0, "longest prompt in tokens for every caller (0 = the context window)")
     max_output_tokens: int = option(0, "largest max_tokens for every caller; unset max_tokens is capped to it "
                                        "(0 = the context window)")

@@ -169,6 +169,8 @@ class Frontend:
                     async with contextlib.aclosing(self._stream(ids, params, inp, deadline)) as chunks:  # closing
                         async for chunk in chunks:                                  # it cancels the target's work
                             out = chunk.completion_tokens
+                            if not params.cache_salt and not self.cfg.anonymous_cached_tokens:
+                                chunk.cached_tokens = 0              # the shared partition: others' prefixes
                             yield chunk
                 finally:
                     caller.count_tokens(out)

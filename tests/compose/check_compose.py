@@ -238,6 +238,34 @@ def check_api(grpc_port: int, http_port: int) -> None:
     print(f"   /health {health.get('status', health)}; /metrics: {len(names)} upesi_ series")
 
 
+# The targets' Redis users publish the registry and keep blocks; the router's reads the registry and nothing else.
+_REDIS_PROBE = """
+import os, redis
+reg = redis.from_url(os.environ['UPESI_REGISTRY'])
+kv = redis.from_url(os.environ.get('UPESI_KV_STORE') or os.environ['UPESI_REGISTRY'].rsplit('/', 1)[0] + '/1')
+def allowed(call):
+    try:
+        call()
+        return 'ok'
+    except redis.exceptions.NoPermissionError:
+        return 'refused'
+print(reg.scard('upesi:reg:replicas'), allowed(lambda: (reg.sadd('upesi:reg:probe', 1), reg.delete('upesi:reg:probe'))),
+      allowed(lambda: kv.exists('upesi:kv:probe')))
+"""
+
+
+def check_redis_roles(compose: Compose) -> None:
+    found = compose.containers()
+    got = {s: sh("docker", "exec", found[s], "python", "-c", _REDIS_PROBE, check=False) for s in ("target", "router")}
+    seen = {s: g.stdout.split() for s, g in got.items()}
+    for s, want in (("target", ["ok", "ok"]), ("router", ["refused", "refused"])):
+        if len(seen[s]) != 3 or int(seen[s][0]) < 1 or seen[s][1:] != want:
+            raise Failed(f"{s}'s Redis users: {got[s].stdout.strip() or got[s].stderr[-500:]} (want replicas >= 1, "
+                         f"registry writes and KV reads {' / '.join(want)})")
+    print(f"   Redis users: the target writes the registry ({seen['target'][0]} replicas) and reads KV blocks; the "
+          "router reads the registry, and writing it or reading a block is refused")
+
+
 # ---------------------------------------------------------------- 7: faults
 def kill_and_recover(compose: Compose, grpc_port: int, services: list[str], timeout: float) -> None:
     before = compose.containers()
@@ -333,6 +361,7 @@ def main() -> int:
             build_image(python_image, fill_local())
         grpc_port, http_port = free_port(), free_port()
         env = {**os.environ, "UPESI_INTERNAL_TOKEN": secrets.token_hex(32), "UPESI_IMAGE": IMAGE,
+               "UPESI_REDIS_TARGET_PASSWORD": secrets.token_hex(32),
                "UPESI_PYTHON_IMAGE": python_image, "UPESI_REDIS_IMAGE": redis_image,
                "UPESI_GRPC_PORT": str(grpc_port), "UPESI_HTTP_PORT": str(http_port)}
         compose = Compose(env)
@@ -343,6 +372,7 @@ def main() -> int:
             print(f"   healthy: {', '.join(sorted(services))}; router on 127.0.0.1:{grpc_port} and :{http_port}")
         with stage("6. checks"):
             check_api(grpc_port, http_port)
+            check_redis_roles(compose)
         with stage("7. faults"):
             kill_and_recover(compose, grpc_port, ["experts-0", "draft"], a.timeout)
         with stage("8. prefill/decode (profile pd)"):

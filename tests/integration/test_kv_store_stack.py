@@ -65,7 +65,7 @@ def metric(port: int, name: str) -> float:
 
 
 def test_replicas_share_blocks_and_a_restarted_target_gets_them_back(redis, tmp_path):
-    s = Stack(tmp_path, ["--target-replicas", "2", "--kv-store", redis.url])
+    s = Stack(tmp_path, ["--anonymous-cached-tokens", "true", "--target-replicas", "2", "--kv-store", redis.url])
     try:
         s.wait_ready()
         with grpc.insecure_channel(s.address) as ch:
@@ -128,7 +128,8 @@ def greedy_equals(s: Stack, expect: list[list[int]], k: int | None = None) -> li
 
 
 def test_prefill_decode_disaggregation_equals_transformers(redis, hf_greedy, tmp_path):
-    s = Stack(tmp_path, ["--prefill-replicas", "1", "--kv-transfer", "store", "--kv-store", redis.url,
+    s = Stack(tmp_path, ["--anonymous-cached-tokens", "true", "--prefill-replicas", "1", "--kv-transfer", "store",
+                         "--kv-store", redis.url,
                          "--speculative", "ngram"])
     try:
         s.wait_ready()
@@ -152,7 +153,8 @@ def test_prefill_decode_with_direct_transfer_equals_transformers(hf_greedy, tmp_
     """No store: the prefill target sends the prompt's blocks, with the hidden-state rows an EAGLE head reads, to
     the decode target's host tier (PutBlocks); the decode target verifies an EAGLE draft service's trees, and they
     are the trees a single target gives (received blocks whose hidden rows were noise drafted differently)."""
-    s = Stack(tmp_path, ["--prefill-replicas", "1", "--draft", "eagle:models/eagle-smollm2-135m"])   # direct
+    s = Stack(tmp_path, ["--anonymous-cached-tokens", "true", "--prefill-replicas", "1",   # direct transfer
+                         "--draft", "eagle:models/eagle-smollm2-135m"])
     try:
         s.wait_ready()
         sent = greedy_equals(s, hf_greedy, k=4)
@@ -168,7 +170,7 @@ def test_prefill_decode_with_direct_transfer_equals_transformers(hf_greedy, tmp_
     # The head read the prompts' hidden states from the transferred blocks: a single target computing every prompt
     # itself drafts and accepts exactly as many tokens for every answer.
     (tmp_path / "single").mkdir()
-    s = Stack(tmp_path / "single", ["--draft", "eagle:models/eagle-smollm2-135m"])
+    s = Stack(tmp_path / "single", ["--anonymous-cached-tokens", "true", "--draft", "eagle:models/eagle-smollm2-135m"])
     try:
         s.wait_ready()
         with grpc.insecure_channel(s.address) as ch:

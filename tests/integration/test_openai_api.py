@@ -91,6 +91,18 @@ def test_greedy_chat_equals_grpc_generate(client, model, stub):
     assert parts.choices[0].message.content == ref.text
 
 
+def test_anonymous_callers_get_cached_tokens_only_in_a_partition_of_their_own(client, model):
+    """Without API keys every caller shares one partition of the prefix cache, so a repeated prompt's cached_tokens
+    would tell anyone whether someone else sent it: the router reports 0 unless the request carries a cache_salt."""
+    text = "Summarise the rules of chess for a child who has never played, in one short paragraph. " * 3
+    kw = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}
+    shared = [client.chat.completions.create(**kw).usage for _ in range(2)]
+    assert shared[1].prompt_tokens >= 48 and shared[1].prompt_tokens_details.cached_tokens == 0
+    salted = [client.chat.completions.create(**kw, extra_body={"cache_salt": "mine"}).usage for _ in range(2)]
+    assert salted[0].prompt_tokens_details.cached_tokens == 0          # a new partition: nothing cached yet
+    assert salted[1].prompt_tokens_details.cached_tokens >= 32
+
+
 def test_chat_stream_with_usage_adds_up_to_the_whole_answer(client, model):
     kw = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16, "temperature": 0}
     whole = client.chat.completions.create(**kw)

@@ -25,7 +25,8 @@ SYSTEM_B = "You are a cheerful cooking coach who answers briefly. " * 12
 
 @pytest.fixture(scope="module")
 def two(redis, tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("stack2"), ["--target-replicas", "2", "--registry", redis.url])
+    s = Stack(tmp_path_factory.mktemp("stack2"), ["--anonymous-cached-tokens", "true", "--target-replicas", "2",
+                                                  "--registry", redis.url])
     try:
         s.wait_ready()
         yield s

@@ -1,7 +1,8 @@
-"""Least privilege on Redis (docs/security.md): a real redis-server with three ACL users, one per role. The targets'
-registry user publishes blocks, the router's read-only user routes by them, the targets' block-store user keeps KV
-blocks; each role works with its own credentials and is refused (NOPERM) everything else: the router writes
-nothing and reads no KV block, the block store's user cannot touch the registry nor the registry's the blocks."""
+"""Least privilege on Redis (docs/security.md): a real redis-server with the three ACL users of
+shared.registry.redis_roles, one per role. The targets' registry user publishes blocks, the router's read-only user
+routes by them, the targets' block-store user keeps KV blocks; each role works with its own credentials and is
+refused (NOPERM) everything else: the router writes nothing and reads no KV block, the block store's user cannot
+touch the registry nor the registry's the blocks."""
 from __future__ import annotations
 
 import secrets
@@ -15,16 +16,12 @@ from shared.kv.redis_tier import RedisTier
 from shared.registry.base import BlockHash, ReplicaId, ReplicaLoad
 from shared.registry.publisher import BlockPublisher
 from shared.registry.redis_backend import RedisRegistry
+from shared.registry.redis_roles import user_line
 from shared.testing.redis_server import RedisServer
 
 A = ReplicaId("target-a:50052")
 PW = {role: secrets.token_hex(16) for role in ("admin", "router", "registry", "kv")}
-BASE = "resetchannels -@all +ping +select +hello"
-# The rules docs/security.md gives, with this test's passwords
-WRITER = "+@read +@write +@scripting +@transaction -@dangerous"
-USERS = [f"upesi-router on >{PW['router']} ~upesi:reg:* {BASE} +@read -@dangerous",
-         f"upesi-registry on >{PW['registry']} ~upesi:reg:* {BASE} {WRITER}",
-         f"upesi-kv on >{PW['kv']} ~upesi:kv:* {BASE} {WRITER}"]
+USERS = [user_line(f"upesi-{role}", PW[role]) for role in ("router", "registry", "kv")]
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,7 @@ UPESI_PORTS = {"router": 50051, "target": 50061, "draft": 50071, "experts": 5008
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ENV_ONLY = {"UPESI_INTERNAL_TOKEN"}        # read from the environment alone (shared/rpc/internal_token.py), no flag
 SECRET = ("upesi-internal", "token")       # the Secret (and key) holding the internal token, made by the user
+REDIS_SECRET = ("upesi-redis-target", "password")   # the targets' Redis password (Secret and key)
 
 
 # --------------------------------------------------------------------------------------------------------- helpers
@@ -124,6 +125,29 @@ def _check_command(argv: list[str], env: dict[str, str], cli: dict[str, argparse
         from shared.config import config_from_args
         config_from_args(config, ns)                       # the service's own validation (__post_init__)
     return ns
+
+
+def _redis_users(argv: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """redis-server's `--user NAME on >PASSWORD RULES...` arguments -> {name: (password, rules)}; `default` must be
+    off and every other user one of shared.registry.redis_roles' with exactly its role's rules."""
+    from shared.registry.redis_roles import RULES
+    groups, cur = [], None
+    for a in argv[1:]:
+        if a.startswith("--"):
+            cur = [a] if a == "--user" else None
+            if cur is not None:
+                groups.append(cur)
+        elif cur is not None:
+            cur.append(a)
+    users = {g[1]: g[2:] for g in groups}
+    assert users.pop("default", None) == ["off"], f"redis: the default user must be off: {argv}"
+    assert set(users) == set(RULES), f"redis users {sorted(users)}, want {sorted(RULES)}"
+    out = {}
+    for name, rest in users.items():
+        assert rest[0] == "on" and rest[1].startswith(">"), f"redis user {name}: {rest[:2]}"
+        assert rest[2:] == RULES[name].split(), f"redis user {name}: rules {rest[2:]}, want {RULES[name]}"
+        out[name] = (rest[1][1:], rest[2:])
+    return out
 
 
 def _config_class(command: str):
@@ -316,13 +340,13 @@ def test_upesi_pods(objects, cli):
 
 
 def test_secret_redis_password_and_network_policies(objects):
-    """Every Upesi pod reads the internal token from the Secret, Redis requires it as its password and the
-    registry URLs carry it; Upesi pods accept connections from Upesi pods only, except the router's public ports
-    and the /metrics ports."""
-    def from_secret(c: dict, name: str) -> bool:
+    """Every Upesi pod reads the internal token from the Secret; Redis has no default user but one per role (the
+    router's password the internal token, the targets' another Secret) and the registry and store URLs name them;
+    Upesi pods accept connections from Upesi pods only, except the router's public ports and the /metrics ports."""
+    def from_secret(c: dict, name: str, secret: tuple[str, str] = SECRET) -> bool:
         e = next((e for e in c.get("env", []) if e["name"] == name), None)
         ref = (e or {}).get("valueFrom", {}).get("secretKeyRef", {})
-        return (ref.get("name"), ref.get("key")) == SECRET and not ref.get("optional", False)
+        return (ref.get("name"), ref.get("key")) == secret and not ref.get("optional", False)
 
     for w in _of_kind(objects, *WORKLOAD_KINDS):
         for c in _pod_spec(w)["containers"]:
@@ -330,12 +354,24 @@ def test_secret_redis_password_and_network_policies(objects):
             if c in _upesi_containers(w):
                 names = [e["name"] for e in c.get("env", [])]
                 assert from_secret(c, "UPESI_INTERNAL_TOKEN"), f"{where}: UPESI_INTERNAL_TOKEN from {SECRET}"
-                if "UPESI_REGISTRY" in names:              # $(VAR) expands only variables defined before it
-                    assert names.index("UPESI_INTERNAL_TOKEN") < names.index("UPESI_REGISTRY"), where
-                    url = urlsplit(next(e["value"] for e in c["env"] if e["name"] == "UPESI_REGISTRY"))
-                    assert (url.hostname, url.password) == ("upesi-redis", "$(UPESI_INTERNAL_TOKEN)"), where
+                for var in ("UPESI_REGISTRY", "UPESI_KV_STORE"):
+                    if var not in names:
+                        continue
+                    url = urlsplit(next(e["value"] for e in c["env"] if e["name"] == var))
+                    # the router reads the registry as upesi-router; targets write it and keep blocks with theirs
+                    source = "UPESI_INTERNAL_TOKEN" if url.username == "upesi-router" else "REDIS_TARGET_PASSWORD"
+                    router = w["metadata"]["name"] == "upesi-router"
+                    want = "upesi-kv" if var == "UPESI_KV_STORE" else "upesi-router" if router else "upesi-registry"
+                    assert (url.hostname, url.username, url.password) == ("upesi-redis", want, f"$({source})"), where
+                    assert source in names and names.index(source) < names.index(var), where   # $(VAR): defined before
+                    if source == "REDIS_TARGET_PASSWORD":
+                        assert from_secret(c, source, REDIS_SECRET), f"{where}: {source} from {REDIS_SECRET}"
             elif c["name"] == "redis":
-                assert from_secret(c, "REDISCLI_AUTH") and c["args"][-2:] == ["--requirepass", "$(REDISCLI_AUTH)"]
+                assert from_secret(c, "REDISCLI_AUTH") and from_secret(c, "REDIS_TARGET_PASSWORD", REDIS_SECRET)
+                users = _redis_users(c["args"])
+                assert users["upesi-router"][0] == "$(REDISCLI_AUTH)", "the router's password is the internal token"
+                assert users["upesi-registry"][0] == users["upesi-kv"][0] == "$(REDIS_TARGET_PASSWORD)"
+                assert "--user" in c["readinessProbe"]["exec"]["command"], "the probe's redis-cli needs its user"
     for cm in _of_kind(objects, "ConfigMap"):
         assert "UPESI_REGISTRY" not in cm.get("data", {}), "the registry URL holds the password: set it per pod"
     policies = {p["metadata"]["name"]: p["spec"] for p in _of_kind(objects, "NetworkPolicy")}
@@ -409,10 +445,10 @@ def test_services_pdbs_and_addresses(objects, cli):
         "the target's replica id must be an address the router dials (registry entries are keyed by it)"
     for ns, who in ((router, "router"), (target, "target")):
         assert ns.registry, f"{who}: no registry"
-        m = re.fullmatch(r"redis://(?::[^@/]+@)?([^:/@]+):(\d+)/\d+", ns.registry)
-        assert m, f"{who}: registry {ns.registry} is not redis://host:port/db"
+        m = re.fullmatch(r"redis://(?:[^:@/]*:[^@/]+@)?([^:/@]+):(\d+)/\d+", ns.registry)
+        assert m, f"{who}: registry {ns.registry} is not redis://[user:password@]host:port/db"
         service_port(f"{m[1]}:{m[2]}", f"{who} --registry")
-    assert router.registry == target.registry
+    assert router.registry.split("@")[-1] == target.registry.split("@")[-1]
     assert router.http_host == "0.0.0.0"
     # the router reaches the draft service; the target every expert shard, in shard order (shard i = pod i)
     service_port(router.draft, "router --draft")
@@ -517,9 +553,12 @@ def test_compose_commands_use_real_flags(compose, cli):
     host, port = _hostport(router.prefill_target)
     assert host == "target-prefill" and port == _port(parsed[host].address), f"--prefill-target {host}:{port}"
     assert router.kv_transfer == "direct" and target.kv_host_gb > 0
-    for name in ("router", "target"):                 # Redis's password is the internal token
-        url = urlsplit(services[name]["environment"]["UPESI_REGISTRY"])
-        assert (url.hostname, url.port, url.password) == ("redis", 6379, "${UPESI_INTERNAL_TOKEN}"), url
+    for name, var, user, password in (         # the router's Redis user reads; the targets' write (redis_roles)
+            ("router", "UPESI_REGISTRY", "upesi-router", "${UPESI_INTERNAL_TOKEN}"),
+            ("target", "UPESI_REGISTRY", "upesi-registry", "${UPESI_REDIS_TARGET_PASSWORD}"),
+            ("target", "UPESI_KV_STORE", "upesi-kv", "${UPESI_REDIS_TARGET_PASSWORD}")):
+        url = urlsplit(services[name]["environment"][var])
+        assert (url.hostname, url.port, url.username, url.password) == ("redis", 6379, user, password), url
     assert target.metrics_port == 8061 and router.http_port == 8000 and router.http_host == "0.0.0.0"
     host, port = _hostport(router.draft)
     assert host == "draft" and port == _port(parsed["draft"].address), f"router --draft {router.draft}"
@@ -547,16 +586,21 @@ def test_compose_publishes_only_the_router_on_loopback(compose):
 
 
 def test_compose_closes_the_internal_plane(compose):
-    """Internal services require the token (which compose refuses to start without), Redis requires it as its
-    password, and the draft opens Verify streams to the compose target only."""
+    """Internal services require the token (which compose refuses to start without), Redis has one user per role
+    (the router's password the token, the targets' another required secret), and the draft opens Verify streams
+    to the compose target only."""
     services = compose["services"]
     required = "${UPESI_INTERNAL_TOKEN:?"
     for name, svc in services.items():
         if name != "redis":
             assert svc["environment"]["UPESI_INTERNAL_TOKEN"].startswith(required), f"{name}: no internal token"
     redis = services["redis"]
-    assert redis["command"][-2] == "--requirepass" and redis["command"][-1].startswith(required)
+    users = _redis_users(redis["command"])
+    assert users["upesi-router"][0].startswith(required), "the router's Redis password is the internal token"
+    assert users["upesi-registry"][0].startswith("${UPESI_REDIS_TARGET_PASSWORD:?")
+    assert users["upesi-kv"][0] == "${UPESI_REDIS_TARGET_PASSWORD}"
     assert redis["environment"]["REDISCLI_AUTH"].startswith(required), "the health check's redis-cli needs it"
+    assert redis["healthcheck"]["test"][:4] == ["CMD", "redis-cli", "--user", "upesi-router"]
     argv = _compose_command(services["draft"])
     assert argv[argv.index("--targets") + 1] == "target:50061"
 
@@ -582,7 +626,7 @@ def test_compose_healthcheck_one_liner_works(compose, health_server):
     for name, svc in compose["services"].items():
         test = svc["healthcheck"]["test"]
         if name == "redis":
-            assert test == ["CMD", "redis-cli", "ping"]
+            assert test == ["CMD", "redis-cli", "--user", "upesi-router", "ping"]
             continue
         assert test[:3] == ["CMD", "python", "-c"] and len(test) == 4, f"{name}: exec-form python -c healthcheck"
         snippets.add(re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:{port}", test[3]))
