@@ -88,28 +88,31 @@ def measure_stack(a: argparse.Namespace, rng: random.Random) -> tuple[dict[str, 
 
 
 def measure_mixed(stack: ServeStack, ask, length: int, streams: int) -> dict[str, float]:
-    """`streams` streams decode; after their 16th token a `length`-token prompt arrives. Their gaps between tokens
-    before it and while it prefills (p50 / p99 over every stream), and its time to first token."""
+    """`streams` streams decode; once each has 48 tokens a `length`-token prompt arrives. Their gaps between tokens
+    (from the 16th on) before it and while it prefills (p50 / p99 over every stream), and its time to first token."""
     from upesi.v1 import generation_pb2 as pb
     sent, answered = [0.0], [0.0]
+    counts = [0] * streams
 
-    async def stream(prompt: str) -> list[float]:
+    async def stream(i: int, prompt: str) -> list[float]:
         req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=prompt)], max_tokens=1000,
                                  temperature=0, ignore_eos=True, num_speculative_tokens=0)
         times = []
         async for msg in stack.stub.GenerateStream(req, timeout=900):
             times += [time.perf_counter()] * sum(len(c.token_ids) for c in msg.choices)
+            counts[i] = len(times)
         return times
 
     async def long_prompt() -> float:
-        await asyncio.sleep(1.5)                                 # the streams are past their first tokens
+        while min(counts) < 48:                                  # every stream 32 tokens past its 16th
+            await asyncio.sleep(0.05)
         sent[0] = time.perf_counter()
         ttft = await asyncio.get_running_loop().run_in_executor(None, ask, length)
         answered[0] = sent[0] + ttft
         return ttft
 
     async def run() -> tuple[list[list[float]], float]:
-        tasks = [asyncio.ensure_future(stream(p)) for p in (PROMPTS * streams)[:streams]]
+        tasks = [asyncio.ensure_future(stream(i, p)) for i, p in enumerate((PROMPTS * streams)[:streams])]
         ttft = await long_prompt()
         return await asyncio.gather(*tasks), ttft
 
