@@ -74,8 +74,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("quantised weights", ("*act_quant", "dequantise_gguf", "int8_activations")),
     ("KV cache tiers, prefix registry, KV transfer", ("kv_*", "registry", "capture_hidden")),
     ("expert parallelism", ("expert*", "*shard*", "rebalance_*")),
-    ("security and limits", ("tls_*", "*api_key*", "cache_secret", "grpc_*", "max_*", "default_max_tokens",
-                             "*_timeout_s")),
+    ("security and limits", ("tls_*", "*api_key*", "cache_secret", "anonymous_*", "grpc_*", "max_*",
+                             "default_max_tokens", "*_timeout_s")),
 )
 
 
