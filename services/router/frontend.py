@@ -162,6 +162,7 @@ class Frontend:
             # Tokenising a long prompt takes milliseconds: off the event loop, which serves every other stream.
             ids, params = await asyncio.to_thread(self.prepare, inp, caller)
             params.cache_salt = caller.cache_salt(inp.cache_salt)
+            hide_cached = not params.cache_salt and not self.cfg.anonymous_cached_tokens   # the shared partition
             with caller.admitted():
                 caller.check_rate(len(ids))                  # after the concurrency slot: a refusal costs no rate
                 out = 0
@@ -169,8 +170,8 @@ class Frontend:
                     async with contextlib.aclosing(self._stream(ids, params, inp, deadline)) as chunks:  # closing
                         async for chunk in chunks:                                  # it cancels the target's work
                             out = chunk.completion_tokens
-                            if not params.cache_salt and not self.cfg.anonymous_cached_tokens:
-                                chunk.cached_tokens = 0              # the shared partition: others' prefixes
+                            if hide_cached:
+                                chunk.cached_tokens = 0              # it would count others' prefixes
                             yield chunk
                 finally:
                     caller.count_tokens(out)

@@ -54,7 +54,7 @@ def _tiles_lib() -> ctypes.CDLL | None:
     if lib.upesi_prefill_amx_setup() != 0:
         log.warning("the kernel refused this process AMX's tile state; prefill attention uses AVX-512 or SDPA")
         return None
-    return lib
+    return _bind(lib)
 
 
 @functools.cache
@@ -62,16 +62,19 @@ def _vector_lib() -> ctypes.CDLL | None:
     """The kernel on AVX512-BF16 vectors where the CPU has them."""
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
         return None
-    return c_build.load_or_none(SOURCE, FLAGS, "UPESI_PREFILL_ATTENTION", "AVX512-BF16 prefill attention kernel")
+    lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_PREFILL_ATTENTION", "AVX512-BF16 prefill attention kernel")
+    return None if lib is None else _bind(lib)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.upesi_prefill_attention.argtypes = _ARGS
+    lib.upesi_prefill_attention.restype = ctypes.c_int
+    return lib
 
 
 def kernels() -> dict[str, ctypes.CDLL]:
     """The builds that run here, by name ("amx", "avx512-bf16"), each ready to call."""
-    out = {name: lib for name, lib in (("amx", _tiles_lib()), ("avx512-bf16", _vector_lib())) if lib is not None}
-    for lib in out.values():
-        lib.upesi_prefill_attention.argtypes = _ARGS
-        lib.upesi_prefill_attention.restype = ctypes.c_int
-    return out
+    return {name: lib for name, lib in (("amx", _tiles_lib()), ("avx512-bf16", _vector_lib())) if lib is not None}
 
 
 @functools.cache
