@@ -28,6 +28,7 @@ from shared.model.loader import iter_weights, load_config
 from shared.model.placement import Placement, Unit, dense_slice, num_routed_experts
 from shared.model_files import resolve_model_path
 from shared.ops import qgemm
+from shared.ops.decoder_bf16 import silu_mul
 from shared.ops.packed_linear import PackedLinear, packable
 from shared.ops.block_quant import BlockQuant
 from shared.quant.gguf_blocks import GGUFRaw
@@ -50,8 +51,8 @@ class FfnUnit:
     down_bias: torch.Tensor | None = None      # [D] (a dense layer's slice 0 only, so the sum adds it once)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)     # [S, i] each
-        return _linear(F.silu(gate) * up, self.down, self.down_bias)                # [S, D]
+        gate_up = _linear(x, self.gate_up, self.gate_up_bias)                       # [S, 2i]
+        return _linear(silu_mul(gate_up), self.down, self.down_bias)                 # [S, i] -> [S, D]
 
     @property
     def nbytes(self) -> int:

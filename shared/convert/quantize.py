@@ -74,10 +74,7 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     cfg = load_config(src)
     if cfg.extra.get("quantization_config"):
         raise pol.PolicyError(f"{src} is already quantised; quantize its full-precision original")
-    if (memory_budget is not None) != (policy == "auto"):
-        raise pol.PolicyError("--memory-budget goes with --policy auto, and --policy auto needs a --memory-budget")
-    rules = pol.DEFAULT_RULES + (pol.load_rules(policy) if policy not in (None, "auto") else [])
-    rules += [("lm_head", lm_head)] if lm_head is not None else []
+    rules = _rules(policy, memory_budget, lm_head)
     untied = cfg.tie_word_embeddings and pol.precision_of("lm_head", rules) in ("nvfp4", "fp8")
     cfg = replace(cfg, tie_word_embeddings=False) if untied else cfg     # a quantised head gets its own tensors
     units = _units(cfg)                                          # unit -> (checkpoint names, rows, in features)
@@ -111,13 +108,27 @@ def quantize(src: str | None, out: str, policy: str | None = None, memory_budget
     weights = _with_head(weights) if untied and not calibrate else weights
     tensors = _convert(weights, cfg, layers, amax if act_quant else {}, quantised, progress)
 
+    _write(out, tensors, src, cfg, layers, act_quant, tokenizer)
+    return QuantizeResult(out, chosen, layers, sum(t.nbytes for t in tensors.values()), _num_params(tensors),
+                          time.perf_counter() - t0, found, notes)
+
+
+def _rules(policy: str | None, memory_budget: str | int | None, lm_head: pol.Precision | None) -> list:
+    """The rules a run applies: the defaults, then the policy file's, then the LM head's precision."""
+    if (memory_budget is not None) != (policy == "auto"):
+        raise pol.PolicyError("--memory-budget goes with --policy auto, and --policy auto needs a --memory-budget")
+    rules = pol.DEFAULT_RULES + (pol.load_rules(policy) if policy not in (None, "auto") else [])
+    return rules + ([("lm_head", lm_head)] if lm_head is not None else [])
+
+
+def _write(out: str, tensors: dict[str, torch.Tensor], src: str, cfg: ModelConfig, layers: dict[str, str],
+           act_quant: bool, tokenizer) -> None:
+    """The checkpoint folder: model.safetensors, config.json with its quantization_config, the tokenizer."""
     os.makedirs(out, exist_ok=True)
     from safetensors.torch import save_file
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     write_config(src, cfg, out, layers, act_quant)
     copy_tokenizer(src, out, tokenizer)
-    return QuantizeResult(out, chosen, layers, sum(t.nbytes for t in tensors.values()), _num_params(tensors),
-                          time.perf_counter() - t0, found, notes)
 
 
 def _chosen(units: dict, rules) -> tuple[dict[str, pol.Precision], list[str]]:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.ops import cpu_attention, decoder_bf16, rms_norm
+from shared.ops import cpu_attention, decoder_bf16, decoder_f32, rms_norm
 from shared.ops.attention import paged_attention
 from shared.ops.packed_linear import PackedLinear
 from shared.ops.paged_attention import AttentionMetadata, write_kv
@@ -210,13 +210,17 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _build_stack(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> decoder_bf16.DecoderStack | None:
-    def rows_packed(m: nn.Module) -> bool:       # bf16 panels, or codes for shared.ops.qgemm (GGUF, NVFP4 layers)
-        return isinstance(getattr(m, "packed", None), (decoder_bf16.RowsWeightBF16, decoder_bf16.QWeight,
-                                                       decoder_bf16.QWeightI8))
-
     cfg = model.cfg
     k0 = kv_caches[0][0]
-    if not (k0.device.type == "cpu" and k0.dtype == torch.bfloat16 and decoder_bf16.available()
+    fp32 = k0.dtype == torch.float32             # fp32 rows: every linear block-quantised, on the AVX2 kernel
+    kinds = ((decoder_bf16.QWeight,) if fp32 else    # else bf16 panels or codes for shared.ops.qgemm / qgemm_i8
+             (decoder_bf16.RowsWeightBF16, decoder_bf16.QWeight, decoder_bf16.QWeightI8))
+
+    def rows_packed(m: nn.Module) -> bool:
+        return isinstance(getattr(m, "packed", None), kinds)
+
+    if not (k0.device.type == "cpu" and (decoder_f32.available() if fp32 else
+                                         k0.dtype == torch.bfloat16 and decoder_bf16.available())
             and len(kv_caches) == len(model.layers) and cfg.head_dim % 8 == 0 and cfg.head_dim <= 512
             and cfg.num_heads % cfg.num_kv_heads == 0 and cfg.num_heads // cfg.num_kv_heads <= 8):
         return None
@@ -226,7 +230,7 @@ def _build_stack(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> decoder_b
         if not (type(layer) is DecoderLayer and type(attn) is Attention and type(mlp) is MLP
                 and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
                 and all(rows_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-                and k.dtype == v.dtype == torch.bfloat16):
+                and k.dtype == v.dtype == k0.dtype):
             return None
         layers.append(decoder_bf16.LayerWeights(
             layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, attn.qkv_proj.bias, attn.o_proj.packed,
@@ -236,7 +240,7 @@ def _build_stack(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> decoder_b
                                                                     for layer in model.layers}
     if len(eps) != 1:
         return None
-    return decoder_bf16.DecoderStack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps.pop())
+    return decoder_bf16.DecoderStack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps.pop(), k0.dtype)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.ops import c_build, cpu_attention, prefill_attention, qgemm, qgemm_i8, rms_norm, rows_gemm_bf16
+from shared.ops import (c_build, cpu_attention, decoder_f32, prefill_attention, qgemm, qgemm_avx2, qgemm_i8, rms_norm,
+                        rows_gemm_bf16)
 from shared.ops.cpu_features import cpu_flags
 from shared.ops.paged_attention import AttentionMetadata
 from shared.ops.qgemm import QWeight
@@ -61,7 +62,10 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] (gate, then up) -> silu(gate) * up [..., I]; in C for bf16 on CPU where it runs."""
+    """gate_up [..., 2I] (gate, then up) -> silu(gate) * up [..., I]; in C for bf16 on CPU where it runs, and for
+    fp32 where the fp32 decoder stack runs (decoder_f32)."""
+    if gate_up.dim() == 2 and decoder_f32.takes_silu(gate_up):
+        return decoder_f32.silu_mul(gate_up)
     if (gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu" or _lib() is None
             or (torch.is_grad_enabled() and gate_up.requires_grad)):
         return silu_mul_reference(gate_up)
@@ -111,7 +115,9 @@ def _weight(w: RowsWeightBF16 | QWeight | QWeightI8) -> torch.Tensor:
     return w.desc if isinstance(w, (QWeight, QWeightI8)) else w.panels
 
 
-def _gemm(w: RowsWeightBF16 | QWeight | QWeightI8) -> int:
+def _gemm(w: RowsWeightBF16 | QWeight | QWeightI8, dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return qgemm_avx2.kernel_address()
     if isinstance(w, QWeightI8):
         return qgemm_i8.kernel_address()
     return qgemm.kernel_address() if isinstance(w, QWeight) else rows_gemm_bf16.kernel_address()
@@ -121,13 +127,16 @@ class DecoderStack:
     """The layers' pointers, gathered once; `run` takes a step's rows through every layer. It holds references to
     every tensor it points into, so none can be freed under it."""
 
-    def __init__(self, layers: list[LayerWeights], heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(self, layers: list[LayerWeights], heads: int, kv_heads: int, head_dim: int, eps: float,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        """dtype: bf16 (decoder_bf16.c), or fp32 with every linear a QWeight (decoder_f32.c)."""
         lw = layers[0]
+        self.dtype = dtype
         self.hidden, self.inter = lw.o.out_features, lw.down.in_features
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.scale = head_dim ** -0.5
         self.block_size = lw.k_cache.shape[1]
-        self._keep = [[t.to(torch.bfloat16).contiguous() if isinstance(t, torch.Tensor) else t
+        self._keep = [[t.to(dtype).contiguous() if isinstance(t, torch.Tensor) else t
                        for t in (lw_.norm1, lw_.qkv_bias, lw_.o_bias, lw_.norm2, lw_.gate_up_bias, lw_.down_bias)]
                       for lw_ in layers]
         ptrs = []
@@ -136,33 +145,31 @@ class DecoderStack:
             p = [n1, _weight(lw_.qkv), bq, _weight(lw_.o), bo, n2, _weight(lw_.gate_up), bg, _weight(lw_.down), bd,
                  lw_.k_cache, lw_.v_cache]
             ptrs.append([0 if t is None else t.data_ptr() for t in p] + [lw_.window or 0]
-                        + [_gemm(w) for w in linears])
+                        + [_gemm(w, dtype) for w in linears])
         self._layers = layers
         self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 17]
-        lib = _lib()
+        self._run = _lib().upesi_decoder_bf16 if dtype == torch.bfloat16 else decoder_f32._lib().upesi_decoder_f32
         self._fns = torch.tensor([_fn(rms_norm._lib(), "upesi_rms_norm"),
                                   _fn(cpu_attention._lib(), "upesi_rope_store"),
                                   _fn(cpu_attention._lib(), "upesi_paged_attention")], dtype=torch.int64)
-        self._lib = lib
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step's rows x [T, D] can go through C: bf16 on CPU, at most MAX_ROWS rows, every
-        sequence's new rows within the attention kernel's limit, no prompt chunk the AMX prefill kernel takes."""
-        return (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= max_rows() and not torch.is_grad_enabled()
+        """Whether this step's rows x [T, D] can go through C: the stack's dtype on CPU, at most MAX_ROWS rows,
+        every sequence's new rows within the attention kernel's limit, no prompt chunk the AMX prefill kernel takes."""
+        return (x.dtype == self.dtype and 0 < x.shape[0] <= max_rows() and not torch.is_grad_enabled()
                 and meta.max_query_len <= cpu_attention.MAX_ROWS
                 and not (prefill_attention.on_tiles(self.head_dim) and cpu_attention.tiled_chunks(meta)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, D] bf16 (the embeddings), cos / sin [T, R] bf16 (R: the rotated dims of a head) -> the residual
-        stream after the last layer [T, D] (before the final norm)."""
+        """x [T, D] (the embeddings), cos / sin [T, R] (R: the rotated dims of a head), all in the stack's dtype ->
+        the residual stream after the last layer [T, D] (before the final norm)."""
         x = x.contiguous()                           # updated in place: the caller's embeddings, a fresh tensor
         cos, sin = cos.contiguous(), sin.contiguous()
         rows, blocks, _, longest, widest = cpu_attention.row_descriptors(meta)
         dims = torch.tensor([len(self._layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
                              self.block_size, torch.get_num_threads(), cos.shape[-1]], dtype=torch.int64)
         bt = meta.block_tables
-        self._lib.upesi_decoder_bf16(self._fns.data_ptr(), dims.data_ptr(), self._ptrs.data_ptr(), self.eps,
-                                     self.scale, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
-                                     meta.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1], rows.data_ptr(),
-                                     blocks.data_ptr(), len(blocks), longest, widest)
+        self._run(self._fns.data_ptr(), dims.data_ptr(), self._ptrs.data_ptr(), self.eps,
+                  self.scale, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+                  bt.data_ptr(), bt.shape[1], rows.data_ptr(), blocks.data_ptr(), len(blocks), longest, widest)
         return x

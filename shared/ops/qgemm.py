@@ -28,23 +28,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.ops import c_build
+from shared.ops import c_build, qgemm_avx2
 from shared.ops.block_quant import BlockQuant, QuantFormatError, example
 from shared.ops.cpu_features import cpu_flags
-from shared.ops.qgemm_layout import fits_f16, kernel_form, pack, unpack
+from shared.ops.qgemm_avx2 import WIDE_ROWS_F32, call as call_avx2, dequantise_f32, linear_f32 as _linear_f32_avx2
+from shared.ops.qgemm_weight import QWeight
 from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS, GEMM_ARGS
 
 log = logging.getLogger(__name__)
 WIDE_ROWS = 128           # bf16 calls of this many rows or more: dequantise for the call, then a bf16 matmul
 
-__all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", "kernel_address", "linear", "run",
-           "split_bf16"]
+__all__ = ["WIDE_ROWS_F32", "BlockQuant", "QuantFormatError", "QWeight", "available", "call_avx2", "dequantise_f32",
+           "example", "kernel_address", "linear", "run", "split_bf16"]
 
 SOURCE = Path(__file__).with_suffix(".c")
 AMX_SOURCE = SOURCE.with_name("qgemm_amx.c")              # compiled with the bf16 rows kernels' flags
-AVX2_SOURCE = SOURCE.with_name("qgemm_avx2.c")
-AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-WIDE_ROWS_F32 = 256       # AVX2 calls of this many rows or more: the weight dequantised to fp32 for the call
 
 
 @functools.cache
@@ -79,50 +77,6 @@ def _amx_lib() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
-def _avx2_lib() -> ctypes.CDLL | None:
-    """qgemm_avx2.c, for CPUs without AVX512-BF16 (fp32 rows)."""
-    if not {"avx2", "fma", "f16c"} <= cpu_flags():
-        return None
-    lib = c_build.load_or_none(AVX2_SOURCE, AVX2_FLAGS, "UPESI_QGEMM", "AVX2 quantised rows kernel")
-    if lib is None:
-        return None
-    lib.upesi_qgemm_avx2.argtypes, lib.upesi_qgemm_avx2.restype = GEMM_ARGS, None
-    lib.upesi_qgemm_avx2_dequant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                             ctypes.c_int]
-    lib.upesi_qgemm_avx2_dequant.restype = None
-    return lib
-
-
-class QWeight:
-    """A BlockQuant laid out for qgemm.c: `data` [U, B, record] uint8 and the kernel's descriptor `desc`. Not a
-    tensor subclass, so `.to()` and state_dict never see it."""
-
-    def __init__(self, bq: BlockQuant) -> None:
-        n, k = bq.shape
-        if bq.block not in (16, 32) or k % bq.block or bq.bits not in (4, 8):
-            raise QuantFormatError(f"cannot pack a [{n}, {k}] weight of {bq.bits}-bit codes in blocks of {bq.block}")
-        self.out_features, self.in_features, self.block = n, k, bq.block
-        kf = kernel_form(bq)
-        self.kind, sf16, mf16 = kf.kind, fits_f16(kf.scales), fits_f16(kf.mins)
-        self.data = pack(kf, bq.block, sf16, mf16)
-        self.table = (kf.table if kf.table is not None else torch.zeros(128, dtype=torch.uint8)).contiguous()
-        self._meta = (sf16, mf16, kf.mins is not None, self.table, kf.high, kf.shift)
-        shift_bits = int(torch.tensor([kf.shift], dtype=torch.float32).view(torch.int32).item())
-        self.desc = torch.tensor([self.data.data_ptr(), self.table.data_ptr(), kf.high, kf.kind, bq.block // 2,
-                                  int(sf16), int(mf16), int(kf.mins is not None), k // bq.block,
-                                  self.data.shape[-1], shift_bits], dtype=torch.int64)
-        self.desc_ptr = self.desc.data_ptr()
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
-    def dequantise(self) -> torch.Tensor:
-        """[N, K] fp32 from the packed form: the weight the kernel multiplies by (the file's, exactly)."""
-        return unpack(self.data, self.out_features, self.in_features, self.kind, self.block, *self._meta)
-
-
 def _call(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, out: torch.dtype,
           fns: tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None = None) -> torch.Tensor:
     """x [M, K] bf16 (features contiguous) -> [M, N] in `out` (bf16 or fp32)."""
@@ -152,26 +106,6 @@ def dequantise_bf16(w: QWeight) -> torch.Tensor:
     _lib().upesi_qgemm_dequant(w.desc.data_ptr(), w.out_features, wt.data_ptr(), w.out_features,
                                torch.get_num_threads())
     return wt
-
-
-def call_avx2(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32 with evenly spaced rows (2-D with features contiguous, or contiguous), bias [N] fp32 or None
-    -> [..., N] fp32 through qgemm_avx2.c, whatever the row count."""
-    m = x.numel() // w.in_features
-    y = torch.empty(*x.shape[:-1], w.out_features)
-    if m:
-        _avx2_lib().upesi_qgemm_avx2(x.data_ptr(), m, x.stride(-2) if x.dim() > 1 else w.in_features,
-                                     w.in_features, w.desc_ptr, None if bias is None else bias.data_ptr(),
-                                     w.out_features, y.data_ptr(), w.out_features, torch.get_num_threads())
-    return y
-
-
-def dequantise_f32(w: QWeight) -> torch.Tensor:
-    """W [N, K] fp32 dequantised in C (qgemm_avx2.c), bit for bit `w.dequantise()`."""
-    out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
-    _avx2_lib().upesi_qgemm_avx2_dequant(w.desc.data_ptr(), w.out_features, out.data_ptr(), w.in_features,
-                                         torch.get_num_threads())
-    return out
 
 
 def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,19 +142,6 @@ def linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> tor
     if x.dtype not in (torch.bfloat16, torch.float32):
         return run(rows.float(), w, None if bias is None else bias.float()).to(x.dtype).view(*lead, w.out_features)
     return run(rows, w, bias).view(*lead, w.out_features)
-
-
-def _linear_f32_avx2(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """fp32 rows on the AVX2 kernel, with as little around the C call as a decode step's hundred-odd calls want:
-    x [..., K] -> [..., N] fp32. WIDE_ROWS_F32 rows or more (a prefill's chunk) multiply the weight dequantised for
-    the call with torch's fp32 matmul, which is faster there."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
-    if x.numel() >= WIDE_ROWS_F32 * w.in_features:
-        return F.linear(x, dequantise_f32(w), bias)
-    return call_avx2(x, w, bias)
 
 
 def _agrees(fns: tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]) -> bool:
@@ -260,32 +181,10 @@ def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     return None
 
 
-def _avx2_agrees() -> bool:
-    """Whether qgemm_avx2.c agrees with the reference on every expansion path (partial units and row tiles), gives
-    a row alone the bits it has among others, and dequantises bit for bit as the layout's unpack."""
-    g = torch.Generator().manual_seed(0)
-    for kind, block, has_min in (("u4", 32, True), ("e2m1", 16, False), ("u6", 16, True), ("i8", 32, False)):
-        n, k, m = 40, 96, 7
-        bq = example(kind, n, k, block, g, has_min)
-        w = QWeight(bq)
-        x = torch.randn(m, k, generator=g)
-        got = call_avx2(x, w)
-        if not (torch.allclose(got, x @ bq.dequantise().t(), rtol=1e-4, atol=1e-4)
-                and torch.equal(call_avx2(x[m - 1:], w), got[m - 1:])
-                and torch.equal(dequantise_f32(w), w.dequantise())):
-            return False
-    return True
-
-
 @functools.cache
 def _avx2_ok() -> bool:
     """The AVX2 kernel serves this machine: no AVX512-BF16 kernel, and it builds, loads and agrees."""
-    if _kernels() is not None or _avx2_lib() is None:
-        return False
-    if _avx2_agrees():
-        return True
-    log.warning("AVX2 quantised rows kernel disagrees with its reference on this machine; dequantising instead")
-    return False
+    return _kernels() is None and qgemm_avx2.works()
 
 
 def available() -> bool:

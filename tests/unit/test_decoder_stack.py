@@ -1,5 +1,5 @@
-"""The decoder stack in one C call (shared/ops/decoder_bf16.c) against the model's modules, and its SwiGLU
-activation against torch's."""
+"""The decoder stack in one C call (shared/ops/decoder_bf16.c for bf16, decoder_f32.c for fp32 rows on the AVX2
+quantised kernel) against the model's modules, and their SwiGLU activations against torch's."""
 from __future__ import annotations
 
 import pytest
@@ -7,19 +7,21 @@ import torch
 
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
-from shared.ops import decoder_bf16, rows_gemm_bf16
+from shared.ops import decoder_bf16, decoder_f32, qgemm
 from shared.ops.packed_linear import pack_linears
 from shared.ops.paged_attention import AttentionMetadata
 from shared.tree import ancestor_mask, depths
 
-pytestmark = pytest.mark.skipif(not decoder_bf16.available(), reason="needs AVX512-BF16 and a C compiler")
+needs_bf16 = pytest.mark.skipif(not decoder_bf16.available(), reason="needs AVX512-BF16 and a C compiler")
+needs_f32 = pytest.mark.skipif(not decoder_f32.available(),
+                               reason="needs the AVX2 quantised kernel (a CPU with AVX2 and no AVX512-BF16)")
 
 NB, BS = 48, 16
 
 
-def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None = None,
-               rotary: float = 1.0) -> LlamaForCausalLM:
-    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=96, intermediate_size=200, num_layers=3,
+def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None = None, rotary: float = 1.0,
+               dtype: torch.dtype = torch.bfloat16, inter: int = 200) -> LlamaForCausalLM:
+    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=96, intermediate_size=inter, num_layers=3,
                       num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                       max_position_embeddings=512, attention_bias=attention_bias, mlp_bias=attention_bias,
                       extra={"sliding_window": window, "layer_types": ["sliding_attention", "full_attention",
@@ -30,10 +32,24 @@ def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None =
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(dtype).eval()
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     pack_linears(model, keep_weight=("lm_head",))
     return model
+
+
+def quantise(model: LlamaForCausalLM, kind: str, names: tuple[str, ...], seed: int = 4) -> None:
+    """The named linears of every layer replaced by block-quantised ones (shared.ops.qgemm) of random codes."""
+    from shared.quant.quant_linear import QuantLinear
+    g = torch.Generator().manual_seed(seed)
+    for layer in model.layers:
+        for name in names:
+            parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+            old = getattr(parent, name)
+            q = QuantLinear(old.in_features, [old.out_features], bias=old.bias is not None)
+            q.load_segment(0, qgemm.example(kind, old.out_features, old.in_features, 32, g))
+            q.bias = old.bias
+            setattr(parent, name, q)
 
 
 def step(lens: list[int], qlens: list[int], trees: dict[int, list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -59,8 +75,8 @@ def step(lens: list[int], qlens: list[int], trees: dict[int, list[int]]) -> tupl
 
 def caches(model: LlamaForCausalLM, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    shape = (NB, BS, model.cfg.num_kv_heads, model.cfg.head_dim)
-    return [(torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16())
+    shape, dtype = (NB, BS, model.cfg.num_kv_heads, model.cfg.head_dim), model.embed_tokens.weight.dtype
+    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
             for _ in model.layers]
 
 
@@ -74,6 +90,7 @@ def module_path(model: LlamaForCausalLM, ids: torch.Tensor, pos: torch.Tensor, m
     return model.norm(x)
 
 
+@needs_bf16
 @pytest.mark.parametrize("bias,window,rotary", [(False, None, 1.0), (True, None, 1.0), (False, 7, 1.0),
                                                 (False, None, 0.5)])                  # 0.5: partial rotary
 @pytest.mark.parametrize("lens,qlens,trees", [
@@ -98,23 +115,14 @@ def test_stack_equals_modules_bit_for_bit(bias, window, rotary, lens, qlens, tre
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@needs_bf16
 @pytest.mark.parametrize("kind", ["u4", "i8"])
 def test_stack_with_quantised_layers_equals_modules_bit_for_bit(kind):
     """Linears kept block-quantised (shared.ops.qgemm) beside bf16 ones: each layer's GEMM is its own."""
-    from shared.ops import qgemm
-    from shared.quant.quant_linear import QuantLinear
     if not qgemm.available():
         pytest.skip("needs the quantised kernel")
     model = tiny_model(attention_bias=True)
-    g = torch.Generator().manual_seed(4)
-    for layer in model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj")):          # down_proj (K = 200) stays bf16
-            old = getattr(parent, name)
-            q = QuantLinear(old.in_features, [old.out_features], bias=old.bias is not None)
-            q.load_segment(0, qgemm.example(kind, old.out_features, old.in_features, 32, g))
-            q.bias = old.bias
-            setattr(parent, name, q)
+    quantise(model, kind, ("qkv_proj", "o_proj", "gate_up_proj"))          # down_proj (K = 200) stays bf16
     kv_stack, kv_mod = caches(model, 1), caches(model, 1)
     pos, meta = step([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]})
     ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(2))
@@ -125,6 +133,7 @@ def test_stack_with_quantised_layers_equals_modules_bit_for_bit(kind):
     assert torch.equal(got, want)
 
 
+@needs_bf16
 def test_stack_is_rebuilt_when_a_layer_changes_and_skipped_for_long_steps():
     model = tiny_model()
     kv = caches(model, 3)
@@ -140,6 +149,7 @@ def test_stack_is_rebuilt_when_a_layer_changes_and_skipped_for_long_steps():
     assert not first.takes(torch.zeros(1, 96), meta)         # fp32
 
 
+@needs_bf16
 def test_silu_mul_matches_torch():
     g = torch.Generator().manual_seed(0)
     gu = (torch.randn(7, 2 * 53, generator=g) * torch.tensor([0.01, 1.0, 8.0, 40.0, 100.0, 0.3, 3.0])[:, None])
@@ -152,3 +162,62 @@ def test_silu_mul_matches_torch():
     assert (got != want).float().mean() < 0.01
     f32 = gu.float()
     assert torch.equal(decoder_bf16.silu_mul(f32), decoder_bf16.silu_mul_reference(f32))   # fp32: torch itself
+
+
+STEPS = [([37], [1], {}), ([37, 5, 60, 20], [1, 1, 1, 1], {}),
+         ([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]})]
+
+
+@needs_f32
+@pytest.mark.parametrize("kind", ["u4", "i8", "e2m1"])
+@pytest.mark.parametrize("bias,window,rotary", [(False, None, 1.0), (True, 7, 1.0), (False, None, 0.5)])
+@pytest.mark.parametrize("lens,qlens,trees", STEPS)
+def test_f32_stack_equals_modules_bit_for_bit(kind, bias, window, rotary, lens, qlens, trees):
+    model = tiny_model(attention_bias=bias, window=window, rotary=rotary, dtype=torch.float32, inter=192)
+    quantise(model, kind, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    kv_stack, kv_mod = caches(model, 1), caches(model, 1)
+    pos, meta = step(lens, qlens, trees)
+    ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = model(ids, pos, meta, kv_stack)
+        assert model._stack[1] is not None and model._stack[1].dtype == torch.float32
+        want = module_path(model, ids, pos, meta, kv_mod)
+    assert torch.equal(got, want)
+    for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    # and the module path is the model: the dequantised weights through torch's own ops agree to fp32 rounding
+    with torch.inference_mode():
+        ref = reference_f32(model, ids, pos, meta, caches(model, 1))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def reference_f32(model: LlamaForCausalLM, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                  kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The module path with every quantised linear run as F.linear on its dequantised weight and torch's SwiGLU."""
+    from unittest import mock
+    import torch.nn.functional as F
+    from shared.quant.quant_linear import QuantLinear
+    with mock.patch.object(QuantLinear, "forward", lambda self, x: F.linear(x, self.packed.dequantise(), self.bias)), \
+            mock.patch.object(decoder_bf16, "silu_mul", decoder_bf16.silu_mul_reference):
+        return module_path(model, ids, pos, meta, kv)
+
+
+@needs_f32
+def test_f32_stack_needs_every_linear_quantised():
+    model = tiny_model(dtype=torch.float32, inter=192)
+    quantise(model, "u4", ("qkv_proj", "o_proj", "gate_up_proj"))            # down_proj: fp32 panels
+    pos, meta = step([40], [1], {})
+    with torch.inference_mode():
+        model(torch.tensor([7]), pos, meta, caches(model, 3))
+    assert model._stack[1] is None
+
+
+@needs_f32
+def test_f32_silu_mul_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    gu = torch.randn(7, 2 * 53, generator=g) * torch.tensor([0.01, 1.0, 8.0, 40.0, 100.0, 0.3, 3.0])[:, None]
+    gu[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 88.5, -88.5])
+    got, want = decoder_bf16.silu_mul(gu), decoder_bf16.silu_mul_reference(gu)
+    assert got.shape == (7, 53)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-37)        # the exps may differ in the last bit
+    assert torch.equal(got.isnan(), want.isnan())
