@@ -8,11 +8,11 @@
 // where sx[b] is the row's sum of x over the block and corr = shift - (16 for kind 5, else 0), so that e' - corr is
 // the code's value: the dequantised weight's product up to the order of fp32 sums (and corr's cancellation).
 // Two forms of the sums:
-//   column form (kinds 5, 8, and 4 when its table doubled is int8, as E2M1's is): vectors of 8 columns of one
+//   column form (kind 5, and 4 when its table doubled is int8, as E2M1's is): vectors of 8 columns of one
 //     feature, each column summing its block's features in order in one register (rows_block_cols);
 //   pair form (the others): vectors of 4 columns' two features side by side as the packed bytes hold them, a row's
 //     pair of x values broadcast as (x0, x1, x0, x1, ...), the two features' lanes added at the block's end
-//     (rows_block, over expand's buffer).
+//     (rows_block, over expand's buffer; for one row of kind 8, an LM head's usual type, straight from the codes).
 // Every output is the same sequence of operations whatever other rows share the call, so a verification row is
 // computed exactly as a decode row.
 // Shapes: M = rows, K = in features, N = out features, NB = blocks, BKK = feature pairs per block.
@@ -25,6 +25,8 @@
 #include "qgemm_desc.h"
 
 #define MR 3      // rows per register tile (pair form, one panel: 12 accumulators)
+#define PREFETCH 4  // records read ahead: a step's weights stream from memory (a 49152 x 576 Q8_0 head at one row,
+                    // 2 threads: 2.6-2.7 ms against 3.6-4.1 without, EPYC-AVX2)
 
 typedef struct {
     const uint8_t *data;
@@ -134,10 +136,17 @@ static inline void block_scales(const qdesc *q, const uint8_t *rec, __m256 sc[2]
         }
 }
 
+// Kind 8's vector (kk, p, g) as expand() stores it: 8 int8 codes, 4 columns' two features side by side.
+static inline __m256 int8_pairs(const uint8_t *codes, int kk, int p, int g) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 32 * (2 * kk + p) +
+                                                                                     8 * g))));
+}
+
 // Rows r < mr (x ldx apart, at the block's first feature) times panels p0 .. p0 + np - 1 of one expanded block:
-// tot [rows][32] += scale * (sum - corr * sx) + min * sx. mr and np are constants at every call site.
+// tot [rows][32] += scale * (sum - corr * sx) + min * sx. mr and np are constants at every call site. i8: kind 8's
+// codes, whose vectors are then made in registers (int8_pairs) instead of read from buf: the same values.
 static inline __attribute__((always_inline)) void rows_block(const qdesc *q, const float *x, int64_t ldx, int mr,
-                                                             int p0, int np, const __m256 *buf,
+                                                             int p0, int np, const __m256 *buf, const uint8_t *i8,
                                                              __m256 sc[2][2], __m256 mn[2][2], const float *sx,
                                                              float *tot) {
     __m256 a[MR][8];
@@ -150,7 +159,7 @@ static inline __attribute__((always_inline)) void rows_block(const qdesc *q, con
             xv[r] = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(x + r * ldx + 2 * kk)));
         for (int p = 0; p < np; p++)
             for (int g = 0; g < 4; g++) {
-                __m256 w = buf[AT(kk, p0 + p, g)];
+                __m256 w = i8 ? int8_pairs(i8, kk, p0 + p, g) : buf[AT(kk, p0 + p, g)];
                 for (int r = 0; r < mr; r++)
                     a[r][4 * p + g] = _mm256_fmadd_ps(xv[r], w, a[r][4 * p + g]);
             }
@@ -171,15 +180,15 @@ static inline __attribute__((always_inline)) void rows_block(const qdesc *q, con
     }
 }
 
-// The column form, for kinds 5, 8 and 4 (when its table doubled is int8): vectors of 8 columns of one feature, so
+// The column form, for kinds 5 and 4 (when its table doubled is int8): vectors of 8 columns of one feature, so
 // each column sums its block's features in order in one register, with no lane pairs to add at the end.
 // Kind 5: a 32-byte load holds 8 columns' 16-bit words, feature 0's in the low half of each lane and feature 1's
 // in the high; nibble j of feature f sits at bit 16 f + 4 j. Masking it in place and converting gives
 // code * 2^(16 f + 4 j) exactly (an op fewer than shifting it down first); the row's x was scaled by
 // 2^-(16 f + 4 j) beforehand (xs), so each product is code * x exactly (unless x is below 2^-100). The top nibble
 // (f 1, j 3) would be negative as an int32: it is shifted down instead, and its x is unscaled.
-// Kinds 8 and 4: 16 bytes hold 8 columns' two features side by side (kind 4: from two 8-byte groups); one byte
-// shuffle splits the features, and kind 4's nibbles become int8 values (2 x E2M1) through a byte table.
+// Kind 4: 16 bytes (from two 8-byte groups) hold 8 columns' two features side by side; one byte shuffle splits the
+// features, and the nibbles become int8 values (2 x E2M1) through a byte table.
 static inline __m256 nibble(__m256i d, int j, int f) {
     return j == 3 && f == 1 ? _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 28))
                             : _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15 << (16 * f + 4 * j))));
@@ -230,15 +239,6 @@ static inline __attribute__((always_inline)) void rows_block_cols(const qdesc *q
                     for (int h = 0; h < 2; h++)
                         ACC(j % 2, h, TAKE(nibble(d[h], j, f)), 4 * c + 2 * (j / 2) + f);
         }
-    } else if (kind == 8) {
-        for (int kk = 0; kk < q->bkk; kk++)
-            for (int p = 0; p < 2; p++)
-                for (int h = 0; h < 2; h++) {
-                    const uint8_t *at = codes + 32 * (2 * kk + p) + 16 * h;
-                    __m128i s = mode == FROM_BUF ? _mm_setzero_si128() : feature_bytes(at, at + 8);
-                    ACC(p, h, TAKE(int8_low(s)), 2 * kk);
-                    ACC(p, h, TAKE(int8_high(s)), 2 * kk + 1);
-                }
     } else {
         const __m128i low4 = _mm_set1_epi8(0x0F);
         for (int c = 0; c < q->bkk / 2; c++)
@@ -341,14 +341,16 @@ void upesi_qgemm_avx2(const float *x, int64_t m, int64_t ldx, int64_t k, const i
             const uint8_t *rec = q.data + u * q.nb * q.record;
             for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
                 __m256 sc[2][2], mn[2][2];
+                for (int64_t o = 0; o < q.record; o += 64)       // the record PREFETCH blocks on (the next unit's
+                    _mm_prefetch((const char *)(rec + PREFETCH * q.record + o), _MM_HINT_T0);   // past the last)
                 block_scales(&q, rec, sc, mn);
                 if (q.kind == 5)
                     block_cols(&q, 5, rec, buf, xs + b * bf, 2 * k, k, m, sc, mn, sx + b, tot);
-                else if (q.kind == 8)
-                    block_cols(&q, 8, rec, buf, x + b * bf, ldx, 0, m, sc, mn, sx + b, tot);
                 else if (q.kind == 4 && q.int_table)
                     block_cols(&q, 4, rec, buf, x + b * bf, ldx, 0, m, sc, mn, sx + b, tot);
-                if (q.kind == 5 || q.kind == 8 || (q.kind == 4 && q.int_table))
+                else if (q.kind == 8 && m == 1)          // one row: kind 8's vectors straight from the codes
+                    rows_block(&q, x + b * bf, ldx, 1, 0, 2, buf, rec, sc, mn, sx + b, tot);
+                if (q.kind == 5 || (q.kind == 4 && q.int_table) || (q.kind == 8 && m == 1))
                     continue;
                 expand(&q, rec, buf);
                 for (int64_t r0 = 0; r0 < m; r0 += MR) {
@@ -356,13 +358,13 @@ void upesi_qgemm_avx2(const float *x, int64_t m, int64_t ldx, int64_t k, const i
                     float *tr = tot + UNIT * r0;
                     int64_t rows = m - r0 < MR ? m - r0 : MR;
                     if (rows == 3) {
-                        rows_block(&q, xr, ldx, 3, 0, 1, buf, sc, mn, sxr, tr);
-                        rows_block(&q, xr, ldx, 3, 1, 1, buf, sc, mn, sxr, tr);
+                        rows_block(&q, xr, ldx, 3, 0, 1, buf, NULL, sc, mn, sxr, tr);
+                        rows_block(&q, xr, ldx, 3, 1, 1, buf, NULL, sc, mn, sxr, tr);
                     } else if (rows == 2) {
-                        rows_block(&q, xr, ldx, 2, 0, 1, buf, sc, mn, sxr, tr);
-                        rows_block(&q, xr, ldx, 2, 1, 1, buf, sc, mn, sxr, tr);
+                        rows_block(&q, xr, ldx, 2, 0, 1, buf, NULL, sc, mn, sxr, tr);
+                        rows_block(&q, xr, ldx, 2, 1, 1, buf, NULL, sc, mn, sxr, tr);
                     } else {
-                        rows_block(&q, xr, ldx, 1, 0, 2, buf, sc, mn, sxr, tr);
+                        rows_block(&q, xr, ldx, 1, 0, 2, buf, NULL, sc, mn, sxr, tr);
                     }
                 }
             }
