@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp_avx2.h"
 
 #define PREFETCH 16           // rows of K and V read ahead (about a DRAM latency of work at 64 dims)
 
@@ -107,24 +108,6 @@ static inline __m256 hsum8(const __m256 *v) {
     a = _mm256_hadd_ps(a, b);
     c = _mm256_hadd_ps(c, d);
     return _mm256_add_ps(_mm256_permute2f128_ps(a, c, 0x20), _mm256_permute2f128_ps(a, c, 0x31));
-}
-
-// e^x for x <= 0 (scores minus their maximum), Cephes' polynomial after x = n ln2 + r; under -87.3 it clamps.
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 // cap tanh(s / cap), Gemma 2's soft-capped scores: tanh |y| = (1 - e^{-2|y|}) / (1 + e^{-2|y|}), y's sign kept.

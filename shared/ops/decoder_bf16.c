@@ -10,15 +10,10 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "decoder_layout.h"
 
 typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
                         uint16_t *, int64_t, int);
-typedef void (*norm_fn)(const void *, int64_t, int64_t, int64_t, const void *, float, void *, int);
-typedef void (*rope_fn)(void *, int64_t, int64_t, int, int, int, int, const void *, const void *, void *, void *,
-                        const int64_t *, int);
-typedef void (*attn_fn)(const void *, int64_t, void *, int64_t, const void *, const void *, const int64_t *, int64_t,
-                        int, const int64_t *, const int64_t *, int64_t, int, int, int, float, int, int64_t, int64_t,
-                        int64_t, float);
 
 // 16 lanes of bf16 -> fp32, and fp32 -> bf16 rounded to nearest even as f32_to_bf16 (NaN kept quiet).
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
@@ -78,12 +73,6 @@ static void add_rows(uint16_t *x, const uint16_t *a, int64_t n, int threads) {
         store16(x + i, _mm512_add_ps(load16(x + i, m), load16(a + i, m)), m);
     }
 }
-
-// Per layer: the four linears' weights (bf16 panels, or a quantised weight's descriptor) each with its GEMM.
-enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, WINDOW, G_QKV, G_O,
-       G_GU, G_DOWN, PER_LAYER };
-enum { F_NORM, F_ROPE, F_ATTN };
-enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS, D_ROTARY };
 
 // x [T, D] bf16, in place: the residual stream after every layer (before the final norm).
 // fns [3]: the kernels; dims [9]; layers [L, PER_LAYER] pointers (biases may be 0), the layer's sliding window

@@ -9,34 +9,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "decoder_layout.h"
+#include "exp_avx2.h"
+
 typedef void (*gemm_fn)(const float *, int64_t, int64_t, int64_t, const int64_t *, const float *, int64_t, float *,
                         int64_t, int);
-typedef void (*norm_fn)(const void *, int64_t, int64_t, int64_t, const void *, float, void *, int);
-typedef void (*rope_fn)(void *, int64_t, int64_t, int, int, int, int, const void *, const void *, void *, void *,
-                        const int64_t *, int);
-typedef void (*attn_fn)(const void *, int64_t, void *, int64_t, const void *, const void *, const int64_t *, int64_t,
-                        int, const int64_t *, const int64_t *, int64_t, int, int, int, float, int, int64_t, int64_t,
-                        int64_t, float);
 
-// e^x in fp32, about 1 ulp: Cephes' polynomial after x = n ln2 + r, scaled by 2^(n - 1) then 2 (so n = 128 stays
-// finite); above 88.7228 inf, below -86 the value at -86 (silu adds it to 1, where it vanishes).
-static inline __m256 exp8(__m256 x) {
-    __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-86.0f)), _mm256_set1_ps(88.7228f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
-    __m256 v = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.f));
-    return _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_inff()), big);
+// (g / (1 + e^-g)) * u, rounded after the division and the product.
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    __m256 e = exp8_any(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
 }
 
 // gu [T, 2I] (gate, then up, rows ld apart) -> out [T, I]: (gate / (1 + e^-gate)) * up, rounded after the
@@ -48,10 +30,7 @@ void upesi_silu_mul_f32(const float *gu, int64_t t, int64_t ld, int64_t inter, f
         float *o = out + r * inter;
         int64_t i = 0;
         for (; i + 8 <= inter; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(),
-                                                                                                gv))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+            _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
         }
         if (i < inter) {                                     // the tail through a padded vector: the same steps
             float gt[8] = {0}, ut[8] = {0}, ot[8];
@@ -59,10 +38,7 @@ void upesi_silu_mul_f32(const float *gu, int64_t t, int64_t ld, int64_t inter, f
                 gt[j - i] = g[j];
                 ut[j - i] = u[j];
             }
-            __m256 gv = _mm256_loadu_ps(gt);
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(),
-                                                                                                gv))));
-            _mm256_storeu_ps(ot, _mm256_mul_ps(s, _mm256_loadu_ps(ut)));
+            _mm256_storeu_ps(ot, silu_mul8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
             for (int64_t j = i; j < inter; j++)
                 o[j] = ot[j - i];
         }
@@ -77,13 +53,6 @@ static void add_rows(float *x, const float *a, int64_t n) {
     for (; i < n; i++)
         x[i] += a[i];
 }
-
-// Per layer, as decoder_bf16.c lays them out: norms, the four linears' descriptors and biases, the caches, the
-// sliding window and each linear's GEMM.
-enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, WINDOW, G_QKV, G_O,
-       G_GU, G_DOWN, PER_LAYER };
-enum { F_NORM, F_ROPE, F_ATTN };
-enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS, D_ROTARY };
 
 // x [T, D] fp32, in place: the residual stream after every layer (before the final norm). The arguments are
 // decoder_bf16.c's, with fp32 rows, cos, sin and caches.
