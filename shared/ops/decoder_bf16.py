@@ -64,7 +64,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] (gate, then up) -> silu(gate) * up [..., I]; in C for bf16 on CPU where it runs, and for
     fp32 where the fp32 decoder stack runs (decoder_f32)."""
-    if gate_up.dim() == 2 and decoder_f32.takes_silu(gate_up):
+    if decoder_f32.takes_silu(gate_up):
         return decoder_f32.silu_mul(gate_up)
     if (gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu" or _lib() is None
             or (torch.is_grad_enabled() and gate_up.requires_grad)):

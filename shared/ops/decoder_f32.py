@@ -5,7 +5,7 @@ On a CPU without AVX512-BF16 the services run fp32, and the default model's laye
 batch-1 step then makes about a dozen Python-level calls a layer, each costing several microseconds of dispatch on
 such machines, as much again as the GEMMs stream. `shared.ops.decoder_bf16.DecoderStack` with fp32 layers makes the
 same kernel calls from C through `upesi_decoder_f32`, in the same order, so its result equals the module path's
-bit for bit (tests/unit/test_decoder_f32.py); `silu_mul` is the activation of both paths, its reference torch's
+bit for bit (tests/unit/test_decoder_stack.py); `silu_mul` is the activation of both paths, its reference torch's
 F.silu(gate) * up, which it matches to about an ulp.
 
 Built with shared.ops.c_build at first use; it runs where the AVX2 quantised kernel serves (qgemm.kernel_name()

@@ -31,15 +31,14 @@ import torch.nn.functional as F
 from shared.ops import c_build, qgemm_avx2
 from shared.ops.block_quant import BlockQuant, QuantFormatError, example
 from shared.ops.cpu_features import cpu_flags
-from shared.ops.qgemm_avx2 import WIDE_ROWS_F32, call as call_avx2, dequantise_f32, linear_f32 as _linear_f32_avx2
 from shared.ops.qgemm_weight import QWeight
 from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS, GEMM_ARGS
 
 log = logging.getLogger(__name__)
 WIDE_ROWS = 128           # bf16 calls of this many rows or more: dequantise for the call, then a bf16 matmul
 
-__all__ = ["WIDE_ROWS_F32", "BlockQuant", "QuantFormatError", "QWeight", "available", "call_avx2", "dequantise_f32",
-           "example", "kernel_address", "linear", "run", "split_bf16"]
+__all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", "kernel_address", "linear", "run",
+           "split_bf16"]
 
 SOURCE = Path(__file__).with_suffix(".c")
 AMX_SOURCE = SOURCE.with_name("qgemm_amx.c")              # compiled with the bf16 rows kernels' flags
@@ -116,7 +115,7 @@ def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.
     if x.stride(-1) != 1:
         x = x.contiguous()
     if _kernels() is None:
-        return _linear_f32_avx2(x.float(), w, bias).to(x.dtype)
+        return qgemm_avx2.linear_f32(x.float(), w, bias).to(x.dtype)
     if x.dtype == torch.bfloat16 and x.shape[0] >= WIDE_ROWS:
         y = x @ dequantise_bf16(w)
         return y if bias is None else y + bias.to(torch.bfloat16)
@@ -133,7 +132,7 @@ def linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> tor
     """x [..., K] @ W^T (+ bias) -> [..., N]: the kernel for CPU rows (bf16; fp32; fp16 through the fp32 path),
     else F.linear on a dequantised copy (autograd, other devices)."""
     if x.dtype == torch.float32 and x.is_cpu and _avx2_ok() and not (x.requires_grad and torch.is_grad_enabled()):
-        return _linear_f32_avx2(x, w, bias)
+        return qgemm_avx2.linear_f32(x, w, bias)
     if (x.device.type != "cpu" or not x.dtype.is_floating_point or not available()
             or (torch.is_grad_enabled() and x.requires_grad)):
         return F.linear(x, w.dequantise().to(device=x.device, dtype=x.dtype), bias)

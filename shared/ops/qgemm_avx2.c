@@ -341,8 +341,8 @@ void upesi_qgemm_avx2(const float *x, int64_t m, int64_t ldx, int64_t k, const i
             const uint8_t *rec = q.data + u * q.nb * q.record;
             for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
                 __m256 sc[2][2], mn[2][2];
-                for (int64_t o = 0; o < q.record; o += 64)       // the record PREFETCH blocks on (the next unit's
-                    _mm_prefetch((const char *)(rec + PREFETCH * q.record + o), _MM_HINT_T0);   // past the last)
+                for (int64_t o = 0; o < q.record; o += 64)       // the record PREFETCH blocks on (past a unit's
+                    _mm_prefetch((const char *)(rec + PREFETCH * q.record + o), _MM_HINT_T0);   // end: the next's)
                 block_scales(&q, rec, sc, mn);
                 if (q.kind == 5)
                     block_cols(&q, 5, rec, buf, xs + b * bf, 2 * k, k, m, sc, mn, sx + b, tot);

@@ -2,14 +2,18 @@
 quantised kernel) against the model's modules, and their SwiGLU activations against torch's."""
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 from shared.ops import decoder_bf16, decoder_f32, qgemm
 from shared.ops.packed_linear import pack_linears
 from shared.ops.paged_attention import AttentionMetadata
+from shared.quant.quant_linear import QuantLinear
 from shared.tree import ancestor_mask, depths
 
 needs_bf16 = pytest.mark.skipif(not decoder_bf16.available(), reason="needs AVX512-BF16 and a C compiler")
@@ -17,6 +21,9 @@ needs_f32 = pytest.mark.skipif(not decoder_f32.available(),
                                reason="needs the AVX2 quantised kernel (a CPU with AVX2 and no AVX512-BF16)")
 
 NB, BS = 48, 16
+STEPS = [([37], [1], {}),                                                 # one decode
+         ([37, 5, 60, 20], [1, 1, 1, 1], {}),                             # a batch of decodes
+         ([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]})]      # a decode, a tree, a short prefill chunk
 
 
 def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None = None, rotary: float = 1.0,
@@ -40,7 +47,6 @@ def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None =
 
 def quantise(model: LlamaForCausalLM, kind: str, names: tuple[str, ...], seed: int = 4) -> None:
     """The named linears of every layer replaced by block-quantised ones (shared.ops.qgemm) of random codes."""
-    from shared.quant.quant_linear import QuantLinear
     g = torch.Generator().manual_seed(seed)
     for layer in model.layers:
         for name in names:
@@ -93,11 +99,7 @@ def module_path(model: LlamaForCausalLM, ids: torch.Tensor, pos: torch.Tensor, m
 @needs_bf16
 @pytest.mark.parametrize("bias,window,rotary", [(False, None, 1.0), (True, None, 1.0), (False, 7, 1.0),
                                                 (False, None, 0.5)])                  # 0.5: partial rotary
-@pytest.mark.parametrize("lens,qlens,trees", [
-    ([37], [1], {}),                                                    # one decode
-    ([37, 5, 60, 20], [1, 1, 1, 1], {}),                                # a batch of decodes
-    ([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]}),         # a decode, a tree, a short prefill chunk
-])
+@pytest.mark.parametrize("lens,qlens,trees", STEPS)
 def test_stack_equals_modules_bit_for_bit(bias, window, rotary, lens, qlens, trees, monkeypatch):
     model = tiny_model(attention_bias=bias, window=window, rotary=rotary)
     assert model.rope_cos.shape[-1] == int(16 * rotary)
@@ -164,10 +166,6 @@ def test_silu_mul_matches_torch():
     assert torch.equal(decoder_bf16.silu_mul(f32), decoder_bf16.silu_mul_reference(f32))   # fp32: torch itself
 
 
-STEPS = [([37], [1], {}), ([37, 5, 60, 20], [1, 1, 1, 1], {}),
-         ([37, 30, 12], [1, 9, 6], {1: [-1, -1, 0, 0, 1, 2, 4, 6]})]
-
-
 @needs_f32
 @pytest.mark.parametrize("kind", ["u4", "i8", "e2m1"])
 @pytest.mark.parametrize("bias,window,rotary", [(False, None, 1.0), (True, 7, 1.0), (False, None, 0.5)])
@@ -194,9 +192,6 @@ def test_f32_stack_equals_modules_bit_for_bit(kind, bias, window, rotary, lens, 
 def reference_f32(model: LlamaForCausalLM, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                   kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The module path with every quantised linear run as F.linear on its dequantised weight and torch's SwiGLU."""
-    from unittest import mock
-    import torch.nn.functional as F
-    from shared.quant.quant_linear import QuantLinear
     with mock.patch.object(QuantLinear, "forward", lambda self, x: F.linear(x, self.packed.dequantise(), self.bias)), \
             mock.patch.object(decoder_bf16, "silu_mul", decoder_bf16.silu_mul_reference):
         return module_path(model, ids, pos, meta, kv)

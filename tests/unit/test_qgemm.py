@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.ops import qgemm
+from shared.ops import qgemm, qgemm_avx2
 from shared.ops.block_quant import BlockQuant
 from shared.ops.qgemm import QWeight
 
@@ -34,7 +34,7 @@ def run_fp32(x: torch.Tensor, w: QWeight, fns) -> torch.Tensor:
     """x [M, K] fp32 through one kernel, as qgemm.run does: the AVX2 kernel directly; the AVX-512 ones as three bf16
     parts, summed in fp32."""
     if fns is None:
-        return qgemm.call_avx2(x, w)
+        return qgemm_avx2.call(x, w)
     m = x.shape[0]
     y = qgemm._call(qgemm.split_bf16(x).view(3 * m, -1), w, None, torch.float32, fns).view(3, m, -1)
     return (y[0] + y[1]) + y[2]
@@ -77,7 +77,7 @@ def test_a_row_is_computed_alike_whatever_rows_share_the_call(name: str, fns) ->
         x = torch.randn(40, 128, generator=g)
         if fns is not None:
             x = x.bfloat16()
-        call = qgemm.call_avx2 if fns is None else (lambda x, w: qgemm._call(x, w, None, torch.float32, fns))
+        call = qgemm_avx2.call if fns is None else (lambda x, w: qgemm._call(x, w, None, torch.float32, fns))
         full = call(x, w)
         for lo, hi in ((0, 1), (5, 6), (39, 40), (3, 20), (16, 33)):
             assert torch.equal(call(x[lo:hi], w), full[lo:hi]), (fmt, lo, hi)
@@ -137,15 +137,15 @@ def test_wide_avx2_calls_multiply_the_weight_dequantised_to_fp32(fmt: str) -> No
     bq = qgemm.example(kind, n, k, block, g, has_min)
     w = QWeight(bq)
     ref = bq.dequantise()
-    assert torch.equal(qgemm.dequantise_f32(w), ref)
-    x = torch.randn(qgemm.WIDE_ROWS_F32, k, generator=g)
+    assert torch.equal(qgemm_avx2.dequantise_f32(w), ref)
+    x = torch.randn(qgemm_avx2.WIDE_ROWS_F32, k, generator=g)
     bias = torch.randn(n, generator=g)
     torch.testing.assert_close(qgemm.run(x, w, bias), torch.nn.functional.linear(x, ref, bias), rtol=0, atol=0)
     narrow = qgemm.run(x[:5], w, bias).double()                    # fewer rows: the codes
     want = x[:5].double() @ ref.double().t() + bias.double()
     assert (narrow - want).abs().max().item() <= 1e-6 * want.abs().max().item()
     xb = x[:3].bfloat16()
-    assert torch.equal(qgemm.run(xb, w), qgemm.call_avx2(xb.float(), w).bfloat16())
+    assert torch.equal(qgemm.run(xb, w), qgemm_avx2.call(xb.float(), w).bfloat16())
 
 
 def test_split_bf16_is_exact() -> None:
