@@ -2,7 +2,7 @@
 """Why bf16 makes speculative verification cheap on CPU: the time of one forward step's linear layers on the
 default model's shapes (30 layers of qkv 576->960, o 576->576, gate/up 576->2x1536, down 1536->576; fresh weights
 per layer, so they stream from memory as in serving), by rows in the step (1 = a decode, K + 1 = verifying K drafts)
-and by dtype; `q4_1-packed` is the GGUF's Q4_1 layers kept packed (shared.ops.qgemm: AMX, else AVX512-BF16,
+and by dtype; `q4_1-packed` is the GGUF's Q4_1 layers kept packed (`nvfp4-packed` NVFP4's) (shared.ops.qgemm: AMX, else AVX512-BF16,
 else AVX2 in fp32); `bf16-packed` is bf16 as the services run it on this CPU (shared.ops.packed_linear: the rows
 kernel's panels where AVX512-BF16 runs, taken by the AMX kernel where AMX runs, else oneDNN's prepacked copy);
 `bf16-onednn` oneDNN's prepacked copy, `bf16-avx512` and `bf16-amx` the two rows kernels on the same panels
@@ -55,6 +55,8 @@ def _kinds() -> dict:
         g = torch.Generator().manual_seed(0)
         kinds["q4_1-packed"] = (torch.bfloat16, lambda w: qgemm.QWeight(example("u4", *w.shape, 32, g, True)),
                                 lambda x, w: qgemm.linear(x, w))
+        kinds["nvfp4-packed"] = (torch.bfloat16, lambda w: qgemm.QWeight(example("e2m1", *w.shape, 16, g, False)),
+                                 lambda x, w: qgemm.linear(x, w))
     return kinds
 
 
@@ -93,7 +95,7 @@ def main() -> None:
         for rows in args.rows:
             ms = step_ms(layers, rows, args.reps, pack, linear)
             base = base or ms
-            print(f"{name:11} {rows:>4} {ms:8.1f} {ms / base:8.2f}", flush=True)
+            print(f"{name:11} {rows:>4} {ms:8.2f} {ms / base:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
             const uint8_t *rec = q.data + u * q.nb * q.record;
             for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
                 __m512 sc[2], mn[2];
+                prefetch_ahead(rec, q.record);
                 expand(rec, q.kind, q.bkk, q.table, q.high, buf);
                 block_scales(&q, rec, sc, mn);
                 for (int64_t r0 = 0; r0 < m; r0 += MR) {

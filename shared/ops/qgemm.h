@@ -55,6 +55,14 @@ static inline __m512 load_scales(const uint8_t *p, int f16) {
 }
 
 
+// Asks for the record PREFETCH records ahead of `rec` (one block of one unit), so memory keeps streaming while a
+// block is expanded and multiplied (the hardware prefetchers alone leave the kernel 30% slower at one row).
+#define PREFETCH 4
+static inline void prefetch_ahead(const uint8_t *rec, int64_t record) {
+    for (int64_t o = 0; o < record; o += 64)
+        _mm_prefetch((const char *)rec + PREFETCH * record + o, _MM_HINT_T0);
+}
+
 // The descriptor's fields, read once per call.
 typedef struct {
     const uint8_t *data;

@@ -89,6 +89,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
                 int two = b + 1 < q.nb;
                 __m512 sc[4], mn[4];
                 for (int i = 0; i < 1 + two; i++, rec += q.record) {
+                    prefetch_ahead(rec, q.record);
                     expand(rec, q.kind, q.bkk, q.table, q.high, bufs[i]);
                     block_scales(&q, rec, sc + 2 * i, mn + 2 * i);
                     for (int p = 0; p < 2; p++)                    // mn' = mn - shift * sc
