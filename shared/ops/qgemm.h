@@ -9,31 +9,38 @@
 
 #include "qgemm_desc.h"
 
+// One 64-byte chunk of codes of kind 5 / kind 4 -> w[4]: pairs 2c and 2c + 1 of both panels (w[2 (pair - 2c) + panel]).
+static inline void chunk5(__m512i v, __m512bh *w) {
+    // nibble j of each 16-bit word is pair 2c + j / 2, panel j % 2;
+    // (t & 0x0078) | 0x4180: the nibble as mantissa bits 3-6 of 16.0, i.e. 16 + code
+    const __m512i mask = _mm512_set1_epi16(0x0078), one6 = _mm512_set1_epi16(0x4180);   // 16.0
+    w[0] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, one6, 0xEA);
+    w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, one6, 0xEA);
+    w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mask, one6, 0xEA);
+    w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mask, one6, 0xEA);
+}
+
+static inline void chunk4(__m512i v, __m512i table, __m512i high, __m512bh *w) {
+    // low nibbles pair 2c, high nibbles 2c + 1; lane halves are the panels
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i n0 = _mm512_and_si512(v, low4), n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    __m512i l0 = _mm512_shuffle_epi8(table, n0), h0 = _mm512_shuffle_epi8(high, n0);
+    __m512i l1 = _mm512_shuffle_epi8(table, n1), h1 = _mm512_shuffle_epi8(high, n1);
+    w[0] = (__m512bh)_mm512_unpacklo_epi8(l0, h0);
+    w[1] = (__m512bh)_mm512_unpackhi_epi8(l0, h0);
+    w[2] = (__m512bh)_mm512_unpacklo_epi8(l1, h1);
+    w[3] = (__m512bh)_mm512_unpackhi_epi8(l1, h1);
+}
+
 // Expands one block of a unit into buf [BKK][2][32] bf16: feature pairs (2kk, 2kk + 1) of the unit's 32 columns.
 // Kind 4 reads `table` and `high` as the two byte tables; kind 7 `high` as the one high byte.
 static inline void expand(const uint8_t *codes, int kind, int bkk, __m512i table, __m512i high, __m512bh *buf) {
-    if (kind == 5) {             // a 64-byte chunk: nibble j of each 16-bit word is pair 2c + j / 2, panel j % 2
-        const __m512i mask = _mm512_set1_epi16(0x0078), one6 = _mm512_set1_epi16(0x4180);   // 16.0
-        for (int c = 0; c < bkk / 2; c++) {
-            __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * c));
-            // (t & 0x0078) | 0x4180: the nibble as mantissa bits 3-6 of 16.0, i.e. 16 + code
-            buf[4 * c] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, one6, 0xEA);
-            buf[4 * c + 1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, one6, 0xEA);
-            buf[4 * c + 2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mask, one6, 0xEA);
-            buf[4 * c + 3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mask, one6, 0xEA);
-        }
-    } else if (kind == 4) {      // a 64-byte chunk: low nibbles pair 2c, high nibbles 2c + 1; lane halves panels
-        const __m512i low4 = _mm512_set1_epi8(0x0F);
-        for (int c = 0; c < bkk / 2; c++) {
-            __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * c));
-            __m512i n0 = _mm512_and_si512(v, low4), n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            __m512i l0 = _mm512_shuffle_epi8(table, n0), h0 = _mm512_shuffle_epi8(high, n0);
-            __m512i l1 = _mm512_shuffle_epi8(table, n1), h1 = _mm512_shuffle_epi8(high, n1);
-            buf[4 * c] = (__m512bh)_mm512_unpacklo_epi8(l0, h0);
-            buf[4 * c + 1] = (__m512bh)_mm512_unpackhi_epi8(l0, h0);
-            buf[4 * c + 2] = (__m512bh)_mm512_unpacklo_epi8(l1, h1);
-            buf[4 * c + 3] = (__m512bh)_mm512_unpackhi_epi8(l1, h1);
-        }
+    if (kind == 5) {             // a 64-byte chunk per 2 pairs
+        for (int c = 0; c < bkk / 2; c++)
+            chunk5(_mm512_loadu_si512((const void *)(codes + 64 * c)), buf + 4 * c);
+    } else if (kind == 4) {      // a 64-byte chunk per 2 pairs
+        for (int c = 0; c < bkk / 2; c++)
+            chunk4(_mm512_loadu_si512((const void *)(codes + 64 * c)), table, high, buf + 4 * c);
     } else if (kind == 7) {      // a 64-byte chunk per pair; lane halves are the panels
         for (int c = 0; c < bkk; c++) {
             __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * c));

@@ -69,17 +69,22 @@ def test_kernels_equal_the_dequantised_weight(fmt: str, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("name,fns", kernels())
-def test_a_row_is_computed_alike_whatever_rows_share_the_call(name: str, fns) -> None:
+@pytest.mark.parametrize("k", [128, 1056, 592])
+def test_a_row_is_computed_alike_whatever_rows_share_the_call(name: str, fns, k: int) -> None:
+    """Every kernel path (AMX's takes blocks of 16 two to a step at 1-2 rows, many blocks a tile) against the same
+    rows in a wider call; K = 1056 and 592 give several groups of blocks and odd block counts."""
     g = torch.Generator().manual_seed(7)
-    for fmt in ("q4-affine", "e2m1", "int8"):
+    for fmt in ("q4-affine", "e2m1", "int8", "u6"):
         kind, block, has_min, _ = FORMATS[fmt]
-        w = QWeight(qgemm.example(kind, 72, 128, block, g, has_min))
-        x = torch.randn(40, 128, generator=g)
+        if k % block:
+            continue
+        w = QWeight(qgemm.example(kind, 72, k, block, g, has_min))
+        x = torch.randn(40, k, generator=g)
         if fns is not None:
             x = x.bfloat16()
         call = qgemm_avx2.call if fns is None else (lambda x, w: qgemm._call(x, w, None, torch.float32, fns))
         full = call(x, w)
-        for lo, hi in ((0, 1), (5, 6), (39, 40), (3, 20), (16, 33)):
+        for lo, hi in ((0, 1), (5, 6), (39, 40), (7, 9), (3, 20), (16, 33), (2, 18), (30, 34)):
             assert torch.equal(call(x[lo:hi], w), full[lo:hi]), (fmt, lo, hi)
 
 
