@@ -415,7 +415,7 @@ def main() -> None:
                 kind, path = w.split(":", 1)
                 stacks.append(ServeStack(["--model", path, "--dtype", a.dtype]
                                          + (["--int8-activations"] if kind == "nvfp4-int8" else [])))
-                sides[f"upesi {kind} plain"] = (stacks[-1], 0)
+                sides[f"upesi {kind} {Path(path).name} plain"] = (stacks[-1], 0)
             else:
                 ap.error(f"--weights takes dequantised, int8, nvfp4:DIR and nvfp4-int8:DIR, not {w!r}")
         results.update(measure_stack(sides, a.loads, a.tokens, a.reps))

@@ -36,12 +36,14 @@ from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS, GEMM_ARGS
 
 log = logging.getLogger(__name__)
 WIDE_ROWS = 128           # bf16 calls of this many rows or more: dequantise for the call, then a bf16 matmul
+FUSED_MAX_ROWS = 1536     # up to this many, on AMX, fused (qgemm_amx_wide.c: 1.2-1.7x at 256-1024 rows, even at 2048)
 
 __all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", "kernel_address", "linear", "run",
            "split_bf16"]
 
 SOURCE = Path(__file__).with_suffix(".c")
 AMX_SOURCE = SOURCE.with_name("qgemm_amx.c")              # compiled with the bf16 rows kernels' flags
+WIDE_SOURCE = SOURCE.with_name("qgemm_amx_wide.c")
 
 
 @functools.cache
@@ -74,6 +76,28 @@ def _amx_lib() -> ctypes.CDLL | None:
         log.warning("the kernel refused this process AMX's tile state; quantised layers use AVX512-BF16")
         return None
     return lib
+
+
+@functools.cache
+def _wide_fn() -> ctypes._CFuncPtr | None:
+    """qgemm_amx_wide.c's bf16 call where the quantised kernel here is AMX's and the fused call agrees with the
+    dequantised weight's matmul; else None (wide calls dequantise, then call torch)."""
+    if kernel_name() != "amx":
+        return None
+    lib = c_build.load_or_none(WIDE_SOURCE, AMX_FLAGS, "UPESI_QGEMM", "AMX fused dequantise-GEMM")
+    if lib is None or lib.upesi_qgemm_amx_wide_setup() != 0:
+        return None
+    fn = lib.upesi_qgemm_amx_wide
+    fn.argtypes, fn.restype = GEMM_ARGS, None
+    g = torch.Generator().manual_seed(0)
+    for kind, block, has_min in (("u4", 32, True), ("e2m1", 16, False), ("u6", 16, True), ("i8", 32, False)):
+        w = QWeight(example(kind, 40, 96, block, g, has_min))
+        x = torch.randn(21, 96, generator=g).bfloat16()
+        want = x.float() @ dequantise_bf16(w).float()
+        if not torch.allclose(_call(x, w, None, torch.bfloat16, (fn, fn)).float(), want, rtol=2e-2, atol=2e-2):
+            log.warning("AMX fused dequantise-GEMM disagrees with its reference here; prefills dequantise instead")
+            return None
+    return fn
 
 
 def _call(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, out: torch.dtype,
@@ -109,14 +133,18 @@ def dequantise_bf16(w: QWeight) -> torch.Tensor:
 
 def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 or fp32 on CPU -> x @ W^T (+ bias) [M, N] in x's dtype. bf16 calls of WIDE_ROWS rows or more
-    (a prefill's chunk) dequantise the weight to bf16 for the call and multiply with torch's bf16 matmul: about 3x
-    faster at 512 rows; their results then round each weight to bf16 once, as a bf16 copy of the weight would.
+    (a prefill's chunk) multiply the weight dequantised to bf16: on AMX up to FUSED_MAX_ROWS rows fused, unit by
+    unit (qgemm_amx_wide.c), else dequantised for the call and multiplied with torch's bf16 matmul; their results
+    then round each weight to bf16 once, as a bf16 copy of the weight would.
     Without the AVX512-BF16 kernels every call takes the AVX2 fp32 path."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if _kernels() is None:
         return qgemm_avx2.linear_f32(x.float(), w, bias).to(x.dtype)
     if x.dtype == torch.bfloat16 and x.shape[0] >= WIDE_ROWS:
+        wide = _wide_fn() if w.in_features % 32 == 0 and x.shape[0] <= FUSED_MAX_ROWS else None
+        if wide is not None:
+            return _call(x, w, None if bias is None else bias.to(torch.bfloat16).contiguous(), x.dtype, (wide, wide))
         y = x @ dequantise_bf16(w)
         return y if bias is None else y + bias.to(torch.bfloat16)
     if x.dtype == torch.bfloat16:

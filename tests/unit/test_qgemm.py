@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.ops import qgemm, qgemm_avx2
+from shared.ops import qgemm, qgemm_avx2, rows_gemm_bf16
 from shared.ops.block_quant import BlockQuant
 from shared.ops.qgemm import QWeight
 
@@ -113,7 +113,8 @@ def test_zero_and_subnormal_blocks() -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wide_bf16_calls_multiply_the_weight_dequantised_to_bf16(fmt: str) -> None:
     """A prefill's chunk (WIDE_ROWS rows or more, bf16): the weight dequantised in C to bf16 (each value the
-    reference's rounded once, up to a fused multiply-add's last bit before it), then torch's bf16 matmul."""
+    reference's rounded once, up to a fused multiply-add's last bit before it), then torch's bf16 matmul; on AMX up
+    to FUSED_MAX_ROWS rows, fused, bit for bit the AMX rows kernel over that bf16 weight (a partial row block)."""
     kind, block, has_min, _ = FORMATS[fmt]
     g = torch.Generator().manual_seed(7)
     n, k = 70, 96                                                  # a partial unit of columns
@@ -124,9 +125,16 @@ def test_wide_bf16_calls_multiply_the_weight_dequantised_to_bf16(fmt: str) -> No
     assert got.shape == (k, n) and got.dtype == torch.bfloat16
     assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -8).all()
     assert (got == ref.bfloat16()).float().mean() > 0.999
-    x = torch.randn(qgemm.WIDE_ROWS, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g)
-    torch.testing.assert_close(qgemm.run(x, w, bias), x @ got + bias.bfloat16(), rtol=0, atol=0)
+    assert (qgemm._wide_fn() is not None) == (qgemm.kernel_name() == "amx")     # its self-check passed
+    for m in (qgemm.WIDE_ROWS, qgemm.WIDE_ROWS + 5, qgemm.FUSED_MAX_ROWS + 1):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        if qgemm._wide_fn() is not None and m <= qgemm.FUSED_MAX_ROWS:  # AMX: fused, as its rows kernel multiplies
+            amx = rows_gemm_bf16._amx_lib().upesi_rows_gemm_amx
+            want = rows_gemm_bf16._call(amx, x, rows_gemm_bf16.pack(got.t().contiguous()), n, bias.bfloat16())
+        else:
+            want = x @ got + bias.bfloat16()
+        torch.testing.assert_close(qgemm.run(x, w, bias), want, rtol=0, atol=0)
     narrow = qgemm.run(x[:8], w, bias)                            # fewer rows: the codes, exactly
     torch.testing.assert_close(narrow.float(), x[:8].float() @ ref + bias.bfloat16().float(), rtol=2e-2, atol=2e-2)
 

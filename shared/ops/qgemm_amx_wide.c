@@ -1,0 +1,151 @@
+// A prefill chunk's rows through block-quantised weights on CPUs with AMX (shared/ops/qgemm.py loads this for bf16
+// calls of WIDE_ROWS rows or more): the weight dequantised to bf16 and multiplied on the tile unit, fused.
+//
+// Per unit of 32 output columns, the codes of every block (qgemm.h's expand) are dequantised as
+// upesi_qgemm_dequant does (w = (e - shift) * scale + min in one fused multiply-add, rounded once to bf16) into two
+// panels of rows_gemm_amx.c's layout ([KK pairs][16 columns][2 features] bf16, 64 bytes a pair), a few units at
+// a time, which stay in the core's cache; the rows then run over them as rows_gemm_amx.c runs over prepacked
+// panels: per 32 rows, four fp32 accumulator tiles over K in steps of 32 features, each 32 rows over every unit of
+// the group while those rows are cached. So a call reads the packed codes once and never writes a dequantised
+// weight to memory, against dequantising the whole weight and then a bf16 matmul reading it back.
+// The result is a bf16 copy of the weight's rows result up to the order of fp32 sums: every row the same tile
+// steps over K, whatever the other rows of the call are.
+// Shapes: M = rows, K = in features (a multiple of 32), N = out features, KK = K / 2, BKK = pairs per block.
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx.h"
+#include "qgemm.h"
+
+// Asks the kernel for the AMX tile state (once per process). Returns 0 when AMX may be used.
+int upesi_qgemm_amx_wide_setup(void) {
+    return amx_request();
+}
+
+// Tiles 0-3: accumulators (C[row block][panel]); 4-5: x blocks, `rows` rows each; 6-7: 16 pairs of a panel.
+static void configure(int rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = (uint8_t)(i < 6 ? rows : 16);
+    }
+    _tile_loadconfig(&c);
+}
+
+// The unit's codes -> pan [2][KK][32] bf16: panel p, pair kk holds (w[16p + l, 2kk], w[16p + l, 2kk + 1]).
+static void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pan, int64_t kk_n) {
+    const __m512i high_half = _mm512_set1_epi32((int32_t)0xFFFF0000);
+    const __m512 shift = _mm512_set1_ps(q->shift);
+    __m512bh buf[32];
+    for (int64_t b = 0; b < q->nb; b++, rec += q->record) {
+        __m512 sc[2], mn[2];
+        expand(rec, q->kind, q->bkk, q->table, q->high, buf);
+        block_scales(q, rec, sc, mn);
+        for (int p = 0; p < 2; p++)
+            for (int kk = 0; kk < q->bkk; kk++) {
+                __m512i v = (__m512i)buf[2 * kk + p];        // lane c: features (2kk, 2kk + 1) of column 16p + c
+                __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+                __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(lo, shift), sc[p], mn[p]);
+                __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(hi, shift), sc[p], mn[p]);
+                __m512i r0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(w0));
+                __m512i r1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(w1));
+                _mm512_store_si512((void *)(pan + (p * kk_n + b * q->bkk + kk) * 32),
+                                   _mm512_or_si512(r0, _mm512_slli_epi32(r1, 16)));
+            }
+    }
+}
+
+// acc [rows, 16] fp32 (+ bias) -> y rows, columns < left, rounded to bf16 as vcvtneps2bf16 does.
+static inline void store_rows(const float *acc, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy,
+                              int64_t left) {
+    if (left <= 0)
+        return;
+    __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias)), 16));
+    for (int r = 0; r < rows; r++)                         // bias added in fp32, then rounded once
+        _mm256_mask_storeu_epi16((void *)(y + r * ldy), m, (__m256i)_mm512_cvtneps_pbh(
+            _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), b)));
+}
+
+// All rows over the panels of `units` consecutive units (pan: each unit's two panels, 64 KK bf16 apart): y [M, 32
+// columns a unit from c0] (columns < n). Each pair of 16-row blocks of x runs over every unit while it is cached.
+static void rows_over_units(const uint16_t *x, int64_t m, int64_t ldx, const uint16_t *pan, int units,
+                            int64_t kk_n, const uint16_t *bias, int64_t n, int64_t c0, uint16_t *y, int64_t ldy) {
+    float acc[4][16 * 16];
+    int64_t blocks = (m + 15) / 16;
+    for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+        int two = b0 + 1 < blocks;
+        const uint16_t *x0 = x + b0 * 16 * ldx, *x1 = x0 + 16 * ldx;
+        for (int u = 0; u < units; u++) {
+            const uint16_t *w0 = pan + u * 64 * kk_n, *w1 = w0 + kk_n * 32;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < kk_n; kb += 16) {
+                _tile_loadd(6, w0 + kb * 32, 64);
+                _tile_loadd(7, w1 + kb * 32, 64);
+                _tile_loadd(4, x0 + 2 * kb, ldx * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, x1 + 2 * kb, ldx * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+            if (two) {
+                _tile_stored(2, acc[2], 64);
+                _tile_stored(3, acc[3], 64);
+            }
+            for (int i = 0; i < 2 + 2 * two; i++) {
+                int64_t r0 = (b0 + i / 2) * 16, c = c0 + u * UNIT + (i % 2) * 16;
+                int valid = (int)(m - r0 < 16 ? m - r0 : 16);
+                store_rows(acc[i], valid, bias ? bias + c : 0, y + r0 * ldy + c, ldy, n - c);
+            }
+        }
+    }
+}
+
+// x [M, K] bf16 rows (ldx apart, M >= 16), desc: the packed weight [N, K] (K a multiple of 32), bias [N] bf16 or
+// NULL -> y [M, N] bf16 (ldy apart).
+void upesi_qgemm_amx_wide(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, const int64_t *desc,
+                          const uint16_t *bias, int64_t n, uint16_t *y, int64_t ldy, int threads) {
+    qdesc q = read_desc(desc);
+    int64_t units = (n + UNIT - 1) / UNIT, kk_n = k / 2;
+    uint16_t *pad = 0;
+    if (m % 16) {                                          // the last block's missing rows as zeros
+        pad = calloc((size_t)((m + 15) / 16 * 16 * k), sizeof(uint16_t));
+        for (int64_t r = 0; r < m; r++)
+            memcpy(pad + r * k, x + r * ldx, (size_t)k * sizeof(uint16_t));
+        x = pad;
+        ldx = k;
+    }
+    // units a thread dequantises at a time: their panels (64 KK bf16 each) within about 512 KB of cache
+    int64_t group = (512 << 10) / (128 * kk_n);
+    group = group < 1 ? 1 : group;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+        int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;             // each thread its own columns
+        uint16_t *pan = aligned_alloc(64, sizeof(uint16_t) * 64 * (size_t)(kk_n * group));
+        configure(16);
+        for (int64_t g0 = u0; g0 < u1; g0 += group) {
+            int gn = (int)(u1 - g0 < group ? u1 - g0 : group);
+            for (int i = 0; i < gn; i++)
+                dequant_unit(&q, q.data + (g0 + i) * q.nb * q.record, pan + i * 64 * kk_n, kk_n);
+            rows_over_units(x, m, ldx, pan, gn, kk_n, bias, n, g0 * UNIT, y, ldy);
+        }
+        free(pan);
+        _tile_release();
+    }
+    free(pad);
+}
