@@ -35,27 +35,53 @@ static void configure(int rows) {
     _tile_loadconfig(&c);
 }
 
-// The unit's codes -> pan [2][KK][32] bf16: panel p, pair kk holds (w[16p + l, 2kk], w[16p + l, 2kk + 1]).
-static void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pan, int64_t kk_n) {
+// Two expanded pairs of one panel's 16 columns (lane c: features 2kk, 2kk + 1 of column c) -> their dequantised
+// bf16 weights in the same order, each rounded once from w = (e - shift) * scale + min.
+static inline __m512i dequant_pair(__m512i v, __m512 shift, __m512 sc, __m512 mn, __m512i interleave) {
     const __m512i high_half = _mm512_set1_epi32((int32_t)0xFFFF0000);
+    __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+    __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(lo, shift), sc, mn);
+    __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(hi, shift), sc, mn);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));   // w0 c, w1 c side by side
+}
+
+// The unit's codes -> pan [2][KK][32] bf16: panel p, pair kk holds (w[16p + l, 2kk], w[16p + l, 2kk + 1]).
+// Kinds 5 and 4 are dequantised straight from their expanded chunks; the others through expand's buffer.
+static void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pan, int64_t kk_n) {
     const __m512 shift = _mm512_set1_ps(q->shift);
+    __m512i interleave;                                    // word 2c <- c, word 2c + 1 <- 16 + c
+    {
+        uint16_t idx[32];
+        for (int c = 0; c < 16; c++) {
+            idx[2 * c] = (uint16_t)c;
+            idx[2 * c + 1] = (uint16_t)(16 + c);
+        }
+        interleave = _mm512_loadu_si512((const void *)idx);
+    }
     __m512bh buf[32];
     for (int64_t b = 0; b < q->nb; b++, rec += q->record) {
         __m512 sc[2], mn[2];
-        expand(rec, q->kind, q->bkk, q->table, q->high, buf);
         block_scales(q, rec, sc, mn);
+        uint16_t *out = pan + b * q->bkk * 32;
+        for (int c = 0; c < q->bkk / 2 && (q->kind == 5 || q->kind == 4); c++) {
+            __m512bh w[4];                                 // pairs 2c, 2c + 1 of both panels
+            __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * c));
+            if (q->kind == 5)
+                chunk5(v, w);
+            else
+                chunk4(v, q->table, q->high, w);
+            for (int j = 0; j < 4; j++)
+                _mm512_store_si512((void *)(out + ((j % 2) * kk_n + 2 * c + j / 2) * 32),
+                                   dequant_pair((__m512i)w[j], shift, sc[j % 2], mn[j % 2], interleave));
+        }
+        if (q->kind == 5 || q->kind == 4)
+            continue;
+        expand(rec, q->kind, q->bkk, q->table, q->high, buf);
         for (int p = 0; p < 2; p++)
-            for (int kk = 0; kk < q->bkk; kk++) {
-                __m512i v = (__m512i)buf[2 * kk + p];        // lane c: features (2kk, 2kk + 1) of column 16p + c
-                __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
-                __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(lo, shift), sc[p], mn[p]);
-                __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(hi, shift), sc[p], mn[p]);
-                __m512i r0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(w0));
-                __m512i r1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(w1));
-                _mm512_store_si512((void *)(pan + (p * kk_n + b * q->bkk + kk) * 32),
-                                   _mm512_or_si512(r0, _mm512_slli_epi32(r1, 16)));
-            }
+            for (int kk = 0; kk < q->bkk; kk++)
+                _mm512_store_si512((void *)(out + (p * kk_n + kk) * 32),
+                                   dequant_pair((__m512i)buf[2 * kk + p], shift, sc[p], mn[p], interleave));
     }
 }
 
@@ -89,6 +115,10 @@ static void rows_over_units(const uint16_t *x, int64_t m, int64_t ldx, const uin
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t kb = 0; kb < kk_n; kb += 16) {
+                for (int l = 0; l < 16; l++) {             // the next step's pairs into L1
+                    _mm_prefetch((const char *)(w0 + (kb + 16) * 32 + 32 * l), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w1 + (kb + 16) * 32 + 32 * l), _MM_HINT_T0);
+                }
                 _tile_loadd(6, w0 + kb * 32, 64);
                 _tile_loadd(7, w1 + kb * 32, 64);
                 _tile_loadd(4, x0 + 2 * kb, ldx * 2);
