@@ -2,9 +2,10 @@
 """Why bf16 makes speculative verification cheap on CPU: the time of one forward step's linear layers on the
 default model's shapes (30 layers of qkv 576->960, o 576->576, gate/up 576->2x1536, down 1536->576; fresh weights
 per layer, so they stream from memory as in serving), by rows in the step (1 = a decode, K + 1 = verifying K drafts)
-and by dtype; `q4_1-packed` is the GGUF's Q4_1 layers kept packed (`nvfp4-packed` NVFP4's) (shared.ops.qgemm: AMX, else AVX512-BF16,
-else AVX2 in fp32); `bf16-packed` is bf16 as the services run it on this CPU (shared.ops.packed_linear: the rows
-kernel's panels where AVX512-BF16 runs, taken by the AMX kernel where AMX runs, else oneDNN's prepacked copy);
+and by dtype; `q4_1-packed` is the GGUF's Q4_1 layers kept packed, `nvfp4-packed` NVFP4's (shared.ops.qgemm:
+AMX, else AVX512-BF16, else AVX2 in fp32); `bf16-packed` is bf16 as the services run it on this CPU
+(shared.ops.packed_linear: the rows kernel's panels where AVX512-BF16 runs, taken by the AMX kernel where AMX runs,
+else oneDNN's prepacked copy);
 `bf16-onednn` oneDNN's prepacked copy, `bf16-avx512` and `bf16-amx` the two rows kernels on the same panels
 (shared.ops.rows_gemm_bf16), each where it runs; `f32-rows` is fp32 in the panels of the AVX2 rows kernel, as the
 services run fp32 where it is available (shared.ops.rows_gemm).

@@ -27,6 +27,7 @@ from shared.text_output import ChoiceText
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("upesi.router")
+REGISTRY_WAIT_S = 0.1        # longest a routing decision waits on the prefix registry before routing by load
 
 
 class Frontend:
@@ -54,9 +55,14 @@ class Frontend:
         chain = hash_chain(ids, self.info.block_size, cache_extra(self.info.model, salt))
         loads = {t.address: ReplicaLoad(running=self.load[t.address]) for t in candidates}
         replicas = [ReplicaId(t.address) for t in candidates]
-        # Redis calls block: keep them off the event loop.
-        chosen = await asyncio.to_thread(choose_replica, chain, replicas, loads, self.info.block_size,
-                                         registry=self.registry)
+        # Redis calls block: keep them off the event loop, and route by load alone when the registry does not answer
+        # within REGISTRY_WAIT_S (a frozen Redis would otherwise hold this request for its timeout and retry).
+        lookup = asyncio.to_thread(choose_replica, chain, replicas, loads, self.info.block_size,
+                                   registry=self.registry)
+        try:
+            chosen = await asyncio.wait_for(lookup, REGISTRY_WAIT_S)
+        except asyncio.TimeoutError:
+            chosen = choose_replica(chain, replicas, loads, self.info.block_size)
         return next(t for t in self.targets if t.address == chosen)
 
     def choose_draft(self, params: SamplingParams) -> DraftClient | None:
