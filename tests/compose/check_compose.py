@@ -12,8 +12,8 @@ Stages (each printed with its duration):
      where this host has them; prints the image's size;
   5. up: `docker-compose up -d` under a project of its own, the router's ports on free loopback ports, and a wait for
      every health check;
-  6. checks: gRPC Generate through server reflection (no stubs), the OpenAI API with the `openai` client (chat,
-     streamed), /health and /metrics over HTTP;
+  6. checks: requests without the API key refused (gRPC and HTTP), gRPC Generate through server reflection (no
+     stubs), the OpenAI API with the `openai` client (chat, streamed), /health and /metrics over HTTP;
   7. faults: SIGKILL to the expert shard experts-0 and to the draft: requests keep being answered (the other shard
      holds every FFN unit; the target decodes without drafts) and both containers come back (restart policy);
   8. prefill/decode: the `pd` profile's prefill target started beside the running stack (`--profile pd up -d
@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +48,7 @@ from shared.testing.stack import free_port  # noqa: E402
 PROJECT = "upesi-compose-test"
 PYTHON_TAG, REDIS_TAG = "upesi-python:bookworm", "upesi-redis:bookworm"
 IMAGE = "upesi:compose-test"
+API_KEY = secrets.token_hex(16)          # the router's UPESI_API_KEY: every client call below carries it
 LOCAL = ROOT / "docker" / "local"
 TORCH = "torch==2.13.0"
 
@@ -184,8 +186,9 @@ def wait_healthy(compose: Compose, services: set[str], timeout: float) -> None:
 
 
 # ---------------------------------------------------------------- 6: checks through the published ports
-def generate_with_reflection(address: str, prompt: str, max_tokens: int) -> tuple[str, int]:
-    """Generate through server reflection: the request type, the method and the reply come from the server."""
+def generate_with_reflection(address: str, prompt: str, max_tokens: int, key: str | None = API_KEY) -> tuple[str, int]:
+    """Generate through server reflection: the request type, the method and the reply come from the server; the
+    call carries `key` as its bearer token (None: no key)."""
     import grpc
     from google.protobuf import descriptor_pool, message_factory
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -201,11 +204,14 @@ def generate_with_reflection(address: str, prompt: str, max_tokens: int) -> tupl
         reply_cls = message_factory.GetMessageClass(method.output_type)
         call = channel.unary_unary("/upesi.v1.Generation/Generate", request_serializer=request_cls.SerializeToString,
                                    response_deserializer=reply_cls.FromString)
-        reply = call(request_cls(prompt=prompt, max_tokens=max_tokens, temperature=0.0), timeout=120)
+        metadata = None if key is None else (("authorization", f"Bearer {key}"),)
+        reply = call(request_cls(prompt=prompt, max_tokens=max_tokens, temperature=0.0), timeout=120,
+                     metadata=metadata)
     return reply.choices[0].text, reply.usage.completion_tokens
 
 
 def check_api(grpc_port: int, http_port: int) -> None:
+    import grpc
     import openai
 
     text, n = generate_with_reflection(f"127.0.0.1:{grpc_port}", "The capital of France is", 12)
@@ -213,7 +219,20 @@ def check_api(grpc_port: int, http_port: int) -> None:
         raise Failed(f"gRPC Generate gave {n} tokens: {text!r}")
     print(f"   gRPC Generate (reflection): {n} tokens: {text.strip()[:60]!r}")
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+    refused = []                                       # compose requires the key: gRPC and HTTP without it
+    try:
+        generate_with_reflection(f"127.0.0.1:{grpc_port}", "Hello", 1, key=None)
+    except grpc.RpcError as e:
+        refused.append(e.code() == grpc.StatusCode.UNAUTHENTICATED)
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10)
+    except urllib.error.HTTPError as e:
+        refused.append(e.code == 401)
+    if refused != [True, True]:
+        raise Failed(f"a request without the API key was not refused (gRPC, HTTP: {refused})")
+    print("   without the API key: gRPC UNAUTHENTICATED, HTTP 401")
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=API_KEY, max_retries=0,
                            timeout=120)
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
@@ -361,7 +380,7 @@ def main() -> int:
             build_image(python_image, fill_local())
         grpc_port, http_port = free_port(), free_port()
         env = {**os.environ, "UPESI_INTERNAL_TOKEN": secrets.token_hex(32), "UPESI_IMAGE": IMAGE,
-               "UPESI_REDIS_TARGET_PASSWORD": secrets.token_hex(32),
+               "UPESI_REDIS_TARGET_PASSWORD": secrets.token_hex(32), "UPESI_API_KEY": API_KEY,
                "UPESI_PYTHON_IMAGE": python_image, "UPESI_REDIS_IMAGE": redis_image,
                "UPESI_GRPC_PORT": str(grpc_port), "UPESI_HTTP_PORT": str(http_port)}
         compose = Compose(env)

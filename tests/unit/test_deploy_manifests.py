@@ -605,6 +605,13 @@ def test_compose_closes_the_internal_plane(compose):
     assert argv[argv.index("--targets") + 1] == "target:50061"
 
 
+def test_compose_router_requires_an_api_key(compose):
+    """compose refuses to start without UPESI_API_KEY; the router requires a key unless both are set otherwise."""
+    env = compose["services"]["router"]["environment"]
+    assert env["UPESI_API_KEY"].startswith("${UPESI_API_KEY?"), "UPESI_API_KEY must be required (empty allowed)"
+    assert env["UPESI_REQUIRE_API_KEY"] == "${UPESI_REQUIRE_API_KEY:-true}"
+
+
 @pytest.fixture(scope="module")
 def health_server():
     """A real gRPC server with the standard health service, on a free loopback port."""
