@@ -15,24 +15,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx.h"
+#include "amx_rows.h"
 #include "qgemm.h"
 
 // Asks the kernel for the AMX tile state (once per process). Returns 0 when AMX may be used.
 int upesi_qgemm_amx_wide_setup(void) {
     return amx_request();
-}
-
-// Tiles 0-3: accumulators (C[row block][panel]); 4-5: x blocks, `rows` rows each; 6-7: 16 pairs of a panel.
-static void configure(int rows) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = (uint8_t)(i < 6 ? rows : 16);
-    }
-    _tile_loadconfig(&c);
 }
 
 // Two expanded pairs of one panel's 16 columns (lane c: features 2kk, 2kk + 1 of column c) -> their dequantised
@@ -85,20 +73,6 @@ static void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pan, int6
     }
 }
 
-// acc [rows, 16] fp32 (+ bias) -> y rows, columns < left, rounded to bf16 as vcvtneps2bf16 does.
-static inline void store_rows(const float *acc, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy,
-                              int64_t left) {
-    if (left <= 0)
-        return;
-    __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias)), 16));
-    for (int r = 0; r < rows; r++)                         // bias added in fp32, then rounded once
-        _mm256_mask_storeu_epi16((void *)(y + r * ldy), m, (__m256i)_mm512_cvtneps_pbh(
-            _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), b)));
-}
-
 // All rows over the panels of `units` consecutive units (pan: each unit's two panels, 64 KK bf16 apart): y [M, 32
 // columns a unit from c0] (columns < n). Each pair of 16-row blocks of x runs over every unit while it is cached.
 static void rows_over_units(const uint16_t *x, int64_t m, int64_t ldx, const uint16_t *pan, int units,
@@ -110,36 +84,11 @@ static void rows_over_units(const uint16_t *x, int64_t m, int64_t ldx, const uin
         const uint16_t *x0 = x + b0 * 16 * ldx, *x1 = x0 + 16 * ldx;
         for (int u = 0; u < units; u++) {
             const uint16_t *w0 = pan + u * 64 * kk_n, *w1 = w0 + kk_n * 32;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t kb = 0; kb < kk_n; kb += 16) {
-                for (int l = 0; l < 16; l++) {             // the next step's pairs into L1
-                    _mm_prefetch((const char *)(w0 + (kb + 16) * 32 + 32 * l), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w1 + (kb + 16) * 32 + 32 * l), _MM_HINT_T0);
-                }
-                _tile_loadd(6, w0 + kb * 32, 64);
-                _tile_loadd(7, w1 + kb * 32, 64);
-                _tile_loadd(4, x0 + 2 * kb, ldx * 2);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, x1 + 2 * kb, ldx * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            _tile_stored(0, acc[0], 64);
-            _tile_stored(1, acc[1], 64);
-            if (two) {
-                _tile_stored(2, acc[2], 64);
-                _tile_stored(3, acc[3], 64);
-            }
+            amx_rows_tiles(x0, x1, ldx, two, w0, w1, kk_n, 1, acc);
             for (int i = 0; i < 2 + 2 * two; i++) {
                 int64_t r0 = (b0 + i / 2) * 16, c = c0 + u * UNIT + (i % 2) * 16;
                 int valid = (int)(m - r0 < 16 ? m - r0 : 16);
-                store_rows(acc[i], valid, bias ? bias + c : 0, y + r0 * ldy + c, ldy, n - c);
+                amx_rows_store(acc[i], valid, bias ? bias + c : 0, y + r0 * ldy + c, ldy, n - c);
             }
         }
     }
@@ -167,7 +116,7 @@ void upesi_qgemm_amx_wide(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, 
         int nt = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;             // each thread its own columns
         uint16_t *pan = aligned_alloc(64, sizeof(uint16_t) * 64 * (size_t)(kk_n * group));
-        configure(16);
+        amx_rows_configure(16);
         for (int64_t g0 = u0; g0 < u1; g0 += group) {
             int gn = (int)(u1 - g0 < group ? u1 - g0 : group);
             for (int i = 0; i < gn; i++)

@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx.h"
+#include "amx_rows.h"
 
 typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
                         uint16_t *, int64_t, int);
@@ -29,36 +29,6 @@ static gemm_fn fallback;
 int upesi_amx_setup(gemm_fn fb) {
     fallback = fb;
     return amx_request();
-}
-
-// Tiles 0-3: accumulators (C[block][panel]) and 4-5: x blocks, `rows` rows each; 6-7: panels, 16 pairs of
-// input features. Every row 64 bytes.
-static void configure(int rows) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = (uint8_t)(i < 6 ? rows : 16);
-    }
-    _tile_loadconfig(&c);
-}
-
-// acc [rows, 16] fp32 (+ bias) -> y rows, columns < left, rounded to bf16 as vcvtneps2bf16 does.
-static inline void store_rows(const float *acc, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy,
-                              int64_t left) {
-    if (left <= 0)
-        return;
-    __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias)), 16));
-    for (int r = 0; r < rows; r++) {
-        __m512 a = _mm512_loadu_ps(acc + 16 * r);
-        if (bias)                                          // added in fp32, then rounded once
-            a = _mm512_add_ps(a, b);
-        _mm256_mask_storeu_epi16((void *)(y + r * ldy), m, (__m256i)_mm512_cvtneps_pbh(a));
-    }
 }
 
 // x [M, K] bf16 rows (ldx apart), panels [NP, KK, 32] bf16 (NP a multiple of 4), bias [N] bf16 or NULL,
@@ -84,39 +54,18 @@ void upesi_rows_gemm_amx(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, c
     #pragma omp parallel num_threads(threads) if (threads > 1 && pairs > 1)
     {
         float acc[4][16 * 16];
-        configure(rows);
+        amx_rows_configure(rows);
         #pragma omp for schedule(static)
         for (int64_t q = 0; q < pairs; q++) {
             const uint16_t *w0 = panels + 2 * q * panel_stride, *w1 = w0 + panel_stride;
             for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
                 int two = b0 + 1 < blocks;
                 const uint16_t *x0 = x + b0 * 16 * ldx, *x1 = x0 + 16 * ldx;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kb = 0; kb < kk_n; kb += 16) {
-                    _tile_loadd(6, w0 + kb * 32, 64);
-                    _tile_loadd(7, w1 + kb * 32, 64);
-                    _tile_loadd(4, x0 + 2 * kb, ldx * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, x1 + 2 * kb, ldx * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, acc[0], 64);
-                _tile_stored(1, acc[1], 64);
-                if (two) {
-                    _tile_stored(2, acc[2], 64);
-                    _tile_stored(3, acc[3], 64);
-                }
+                amx_rows_tiles(x0, x1, ldx, two, w0, w1, kk_n, 0, acc);
                 for (int i = 0; i < 2 + 2 * two; i++) {
                     int64_t r0 = (b0 + i / 2) * 16, c0 = (2 * q + i % 2) * 16;
                     int valid = (int)(m - r0 < 16 ? m - r0 : 16);
-                    store_rows(acc[i], valid, bias ? bias + c0 : 0, y + r0 * ldy + c0, ldy, n - c0);
+                    amx_rows_store(acc[i], valid, bias ? bias + c0 : 0, y + r0 * ldy + c0, ldy, n - c0);
                 }
             }
         }
