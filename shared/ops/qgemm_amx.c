@@ -110,7 +110,7 @@ static void configure_small(const small_plan *p, int bkk) {
     _tile_loadconfig(&c);
 }
 
-// One step's products for the group's sums; t picks the step's A and code tiles.
+// One step's products into the group's sums: A and B0 / B1 the step's tiles (steps alternate between two sets).
 #define SMALL_STEP(A, B0, B1, xs, codes)                                                                          \
     do {                                                                                                          \
         _tile_loadd(A, (const void *)(xs), 4 * q.bkk * p.bps);                                                    \
