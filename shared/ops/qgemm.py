@@ -82,10 +82,10 @@ def _amx_lib() -> ctypes.CDLL | None:
 def _wide_fn() -> ctypes._CFuncPtr | None:
     """qgemm_amx_wide.c's bf16 call where the quantised kernel here is AMX's and the fused call agrees with the
     dequantised weight's matmul; else None (wide calls dequantise, then call torch)."""
-    if kernel_name() != "amx":
+    if kernel_name() != "amx":                            # its library has asked for the AMX tile state
         return None
     lib = c_build.load_or_none(WIDE_SOURCE, AMX_FLAGS, "UPESI_QGEMM", "AMX fused dequantise-GEMM")
-    if lib is None or lib.upesi_qgemm_amx_wide_setup() != 0:
+    if lib is None:
         return None
     fn = lib.upesi_qgemm_amx_wide
     fn.argtypes, fn.restype = GEMM_ARGS, None

@@ -60,52 +60,34 @@ static inline void scale_pair(const float (*acc)[16 * 16], int two, int with_min
     }
 }
 
-// Calls of up to 16 rows (run() says which): G blocks share the accumulator tiles, m tile rows per block. Step s's
-// A tile holds, in row r * G + j, row r of x's features of block j of the group where step s multiplies that block,
-// and zeros elsewhere (built once per call: it does not depend on the unit); blocks of 16 features go two to a
-// step. A block's sums are then its own products added to exact zeros, as in run_pairs, and are scaled in the same
-// order, while the tiles are stored once per group instead of once per pair of blocks.
-typedef struct {
-    int g, bps, mg, steps;           // blocks per group, blocks per step, rows, steps per call
-    int64_t step_bytes;              // one step's A tile: mg * g rows of 2 bkk bps bf16 features
-} small_plan;
+// Blocks of 16 features (BKK 8) at one or two rows: the blocks go two to a step of 32 features, and G of them
+// share the accumulator tiles, m tile rows per block (G = 16 / m, at most the blocks there are, rounded up to an
+// even count). Step s's A tile holds, in row r * G + j, row r of x's features of block j of its group where step s
+// multiplies that block, and zeros elsewhere (built once per call: it does not depend on the unit). A block's sums
+// are then its own products added to exact zeros, as in run_pairs, and are scaled in the same order, while the tiles
+// are stored once per group instead of once per pair of blocks.
+#define STEP_FEATURES 32                                   // two blocks of 16: one A row of 64 bytes
 
-static small_plan plan_small(const qdesc *q, int64_t m) {
-    small_plan p;
-    p.mg = (int)m;
-    p.g = 16 / p.mg;
-    p.bps = q->bkk == 8 && p.g >= 2 ? 2 : 1;
-    p.g -= p.g % p.bps;
-    if (p.g > q->nb)
-        p.g = (int)(q->nb + p.bps - 1) / p.bps * p.bps;
-    p.steps = (int)((q->nb + p.bps - 1) / p.bps);
-    p.step_bytes = (int64_t)p.mg * p.g * 4 * q->bkk * p.bps;
-    return p;
-}
-
-// xa [steps][mg * g rows][2 bkk bps] bf16: every step's A tile (calloc'd; the caller frees it).
-static uint16_t *small_tiles(const uint16_t *x, int64_t ldx, const qdesc *q, const small_plan *p) {
-    int64_t bf = 2 * q->bkk, cols = bf * p->bps;
-    uint16_t *xa = calloc((size_t)(p->steps * p->step_bytes / 2), sizeof(uint16_t));
-    for (int64_t b = 0; b < q->nb; b++) {
-        int64_t s = b / p->bps, j = b % p->g;
-        for (int r = 0; r < p->mg; r++)
-            memcpy(xa + s * p->step_bytes / 2 + (r * p->g + j) * cols + (b % p->bps) * bf, x + r * ldx + b * bf,
-                   (size_t)bf * sizeof(uint16_t));
-    }
+// xa [steps][m * g rows][32] bf16: every step's A tile (calloc'd; the caller frees it).
+static uint16_t *small_tiles(const uint16_t *x, int64_t m, int64_t ldx, int64_t nb, int g) {
+    int64_t steps = (nb + 1) / 2, tile = m * g * STEP_FEATURES;
+    uint16_t *xa = calloc((size_t)(steps * tile), sizeof(uint16_t));
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r = 0; r < m; r++)
+            memcpy(xa + b / 2 * tile + (r * g + b % g) * STEP_FEATURES + b % 2 * 16, x + r * ldx + b * 16,
+                   16 * sizeof(uint16_t));
     return xa;
 }
 
-// Tiles 0-1: a group's sums for the two panels [mg * g, 16] fp32; 2 / 5: a step's A tile (alternating steps);
-// 3-4 / 6-7: the step's expanded codes, one panel each [bkk * bps, 32] bf16 (alternating).
-static void configure_small(const small_plan *p, int bkk) {
+// Tiles 0-1: a group's sums for the two panels [m * g, 16] fp32; 2 / 5: a step's A tile (alternating steps);
+// 3-4 / 6-7: the step's expanded codes, one panel each [16 pairs, 32] bf16 (alternating).
+static void configure_small(int rows) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        int codes = t == 3 || t == 4 || t == 6 || t == 7, xs = t == 2 || t == 5;
-        c.rows[t] = (uint8_t)(codes ? bkk * p->bps : p->mg * p->g);
-        c.colsb[t] = (uint16_t)(xs ? 4 * bkk * p->bps : 64);
+        c.rows[t] = (uint8_t)(t == 3 || t == 4 || t == 6 || t == 7 ? 16 : rows);
+        c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
 }
@@ -113,7 +95,7 @@ static void configure_small(const small_plan *p, int bkk) {
 // One step's products into the group's sums: A and B0 / B1 the step's tiles (steps alternate between two sets).
 #define SMALL_STEP(A, B0, B1, xs, codes)                                                                          \
     do {                                                                                                          \
-        _tile_loadd(A, (const void *)(xs), 4 * q.bkk * p.bps);                                                    \
+        _tile_loadd(A, (const void *)(xs), 2 * STEP_FEATURES);                                                    \
         _tile_loadd(B0, (const void *)(codes), 128);                                                              \
         _tile_loadd(B1, (const void *)((codes) + 1), 128);                                                        \
         _tile_dpbf16ps(0, A, B0);                                                                                 \
@@ -123,10 +105,12 @@ static void configure_small(const small_plan *p, int bkk) {
 static void run_small(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd, const uint16_t *bias, int64_t n,
                       void *y, int64_t ldy, int threads, int out_f32) {
     qdesc q = *qd;
-    small_plan p = plan_small(&q, m);
-    int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;
-    float *sx = block_sums(x, m, ldx, q.nb, bf);
-    uint16_t *xa = small_tiles(x, ldx, &q, &p);
+    int g = (int)(16 / m);
+    if (g > q.nb)
+        g = (int)(q.nb + 1) / 2 * 2;
+    int64_t units = (n + UNIT - 1) / UNIT, tile = m * g * STEP_FEATURES;
+    float *sx = block_sums(x, m, ldx, q.nb, 16);
+    uint16_t *xa = small_tiles(x, m, ldx, q.nb, g);
     __m512 shift = _mm512_set1_ps(q.shift);
     int with_min = q.has_min || q.shift != 0.f;
     #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
@@ -134,32 +118,32 @@ static void run_small(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
         __m512bh bufs[2][32];                              // a step's expanded codes, alternating steps
         __m512 sc[16][2], mn[16][2];
         float acc[2][16 * 16];
-        float tot[16 * UNIT];
-        configure_small(&p, q.bkk);
+        float tot[2 * UNIT];
+        configure_small((int)m * g);
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             memset(tot, 0, sizeof(float) * UNIT * (size_t)m);
             const uint8_t *unit = q.data + u * q.nb * q.record;
-            for (int64_t b0 = 0; b0 < q.nb; b0 += p.g) {
-                int nblk = q.nb - b0 < p.g ? (int)(q.nb - b0) : p.g;
+            for (int64_t b0 = 0; b0 < q.nb; b0 += g) {
+                int nblk = q.nb - b0 < g ? (int)(q.nb - b0) : g;
                 _tile_zero(0);
                 _tile_zero(1);
-                for (int s = 0; s * p.bps < nblk; s++) {
+                for (int s = 0; 2 * s < nblk; s++) {
                     __m512bh *buf = bufs[s & 1];
-                    for (int i = 0; i < p.bps; i++) {
-                        int j = s * p.bps + i;
+                    for (int i = 0; i < 2; i++) {
+                        int j = 2 * s + i;
                         if (j >= nblk) {                           // an odd last block: zero codes beside it
-                            memset(buf + i * bf, 0, sizeof(__m512bh) * (size_t)bf);
+                            memset(buf + 16 * i, 0, sizeof(__m512bh) * 16);
                             continue;
                         }
                         const uint8_t *rec = unit + (b0 + j) * q.record;
                         prefetch_ahead(rec, q.record);
-                        expand(rec, q.kind, q.bkk, q.table, q.high, buf + i * bf);
+                        expand(rec, q.kind, q.bkk, q.table, q.high, buf + 16 * i);
                         block_scales(&q, rec, sc[j], mn[j]);
                         for (int pn = 0; pn < 2; pn++)             // mn' = mn - shift * sc
                             mn[j][pn] = _mm512_fnmadd_ps(shift, sc[j][pn], mn[j][pn]);
                     }
-                    const uint16_t *xs = xa + ((b0 / p.bps) + s) * p.step_bytes / 2;
+                    const uint16_t *xs = xa + (b0 / 2 + s) * tile;
                     if (s & 1)
                         SMALL_STEP(5, 6, 7, xs, buf);
                     else
@@ -172,7 +156,7 @@ static void run_small(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
                         __m512 s0 = _mm512_set1_ps(sx[r * q.nb + b0 + j]);
                         for (int pn = 0; pn < 2; pn++) {
                             float *t = tot + UNIT * r + 16 * pn;
-                            __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(acc[pn] + 16 * (r * p.g + j)), sc[j][pn],
+                            __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(acc[pn] + 16 * (r * g + j)), sc[j][pn],
                                                        _mm512_loadu_ps(t));
                             if (with_min)
                                 v = _mm512_fmadd_ps(mn[j][pn], s0, v);
@@ -262,8 +246,8 @@ static void run_pairs(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
     free(pad);
 }
 
-// Blocks of 16 features (NVFP4's) at one or two rows go two to a step (17% faster at one row, Xeon-AMX); else
-// in pairs, which measured faster for blocks of 32 and for more rows.
+// Blocks of 16 features (NVFP4's) at one or two rows go two to a step (17% faster at one row, Xeon-AMX); else in
+// pairs, which measured faster for blocks of 32 and for more rows.
 static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, const uint16_t *bias, int64_t n,
                 void *y, int64_t ldy, int threads, int out_f32) {
     qdesc q = read_desc(desc);

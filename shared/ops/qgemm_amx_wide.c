@@ -10,6 +10,7 @@
 // weight to memory, against dequantising the whole weight and then a bf16 matmul reading it back.
 // The result is a bf16 copy of the weight's rows result up to the order of fp32 sums: every row the same tile
 // steps over K, whatever the other rows of the call are.
+// It runs where qgemm_amx.c does, whose setup has asked for the process's AMX tile state.
 // Shapes: M = rows, K = in features (a multiple of 32), N = out features, KK = K / 2, BKK = pairs per block.
 #include <omp.h>
 #include <stdlib.h>
@@ -17,11 +18,6 @@
 
 #include "amx_rows.h"
 #include "qgemm.h"
-
-// Asks the kernel for the AMX tile state (once per process). Returns 0 when AMX may be used.
-int upesi_qgemm_amx_wide_setup(void) {
-    return amx_request();
-}
 
 // Two expanded pairs of one panel's 16 columns (lane c: features 2kk, 2kk + 1 of column c) -> their dequantised
 // bf16 weights in the same order, each rounded once from w = (e - shift) * scale + min.
@@ -38,15 +34,9 @@ static inline __m512i dequant_pair(__m512i v, __m512 shift, __m512 sc, __m512 mn
 // Kinds 5 and 4 are dequantised straight from their expanded chunks; the others through expand's buffer.
 static void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pan, int64_t kk_n) {
     const __m512 shift = _mm512_set1_ps(q->shift);
-    __m512i interleave;                                    // word 2c <- c, word 2c + 1 <- 16 + c
-    {
-        uint16_t idx[32];
-        for (int c = 0; c < 16; c++) {
-            idx[2 * c] = (uint16_t)c;
-            idx[2 * c + 1] = (uint16_t)(16 + c);
-        }
-        interleave = _mm512_loadu_si512((const void *)idx);
-    }
+    static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_loadu_si512((const void *)order);    // word 2c <- c, 2c + 1 <- 16 + c
     __m512bh buf[32];
     for (int64_t b = 0; b < q->nb; b++, rec += q->record) {
         __m512 sc[2], mn[2];
