@@ -25,6 +25,7 @@
 #include "qgemm_desc.h"
 
 #define MR 3      // rows per register tile (pair form, one panel: 12 accumulators)
+#define TILE_ROWS 6  // rows per register tile (column form, one panel: 12 accumulators)
 #define PREFETCH 4  // records read ahead: a step's weights stream from memory (a 49152 x 576 Q8_0 head at one row,
                     // 2 threads: 2.6-2.7 ms against 3.6-4.1 without, EPYC-AVX2)
 
@@ -203,28 +204,43 @@ static inline __m128i feature_bytes(const uint8_t *lo, const uint8_t *hi) {
     return _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
 }
 
-enum { DIRECT, FROM_BUF, EXPAND };   // rows_block_cols' modes
+// One row's sums a0, a1 (panel p's halves) into tot [32] at the row: tot += scale * (a - corr * sx) + min * sx,
+// for kind 4 with a halved first (its int8 values are 2 x E2M1). sx: the row's block sum.
+static inline __attribute__((always_inline)) void cols_out(const qdesc *q, int kind, __m256 a0, __m256 a1, int p,
+                                                           __m256 sc[2][2], __m256 mn[2][2], float sx, float *tot) {
+    const __m256 vscale = _mm256_set1_ps(kind == 4 ? 0.5f : 1.0f), s = _mm256_set1_ps(sx);
+    const __m256 corr = _mm256_set1_ps(q->corr * sx);
+    for (int h = 0; h < 2; h++) {
+        float *t = tot + 16 * p + 8 * h;
+        __m256 v = _mm256_sub_ps(_mm256_mul_ps(h ? a1 : a0, vscale), corr);
+        __m256 out = _mm256_fmadd_ps(v, sc[p][h], _mm256_loadu_ps(t));
+        if (q->has_min)
+            out = _mm256_fmadd_ps(mn[p][h], s, out);
+        _mm256_storeu_ps(t, out);
+    }
+}
 
-// One block in the column form, rows r < mr (x: xs, rows ldxs apart, panel p's copy pstride on): DIRECT expands
-// each vector from the codes and multiplies, FROM_BUF reads the vectors EXPAND stored in vb (the same vectors in
-// the same order: the same operations either way); then tot as rows_block. kind, mode and mr are constants.
+enum { DIRECT, EXPAND };   // rows_block_cols' modes
+
+// One block in the column form, rows r < mr <= 3 (x: xs, rows ldxs apart, panel p's copy pstride on), each
+// vector expanded from the codes and multiplied at once; EXPAND also stores the vectors in vb, in the order
+// tile_cols reads them. Then tot as rows_block. kind, mode and mr are constants.
 static inline __attribute__((always_inline)) void rows_block_cols(const qdesc *q, int kind, int mode,
                                                                   const uint8_t *codes, __m256 *vb,
                                                                   const float *xs, int64_t ldxs, int64_t pstride,
                                                                   int mr, __m256 sc[2][2], __m256 mn[2][2],
                                                                   const float *sx, float *tot) {
-    __m256 a[MR][2][2];
-    for (int r = 0; r < MR; r++)
-        for (int i = 0; i < 4; i++)
-            a[r][i / 2][i % 2] = _mm256_setzero_ps();
+    __m256 a[3][2][2];
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; i++)
+        a[i / 4][i / 2 % 2][i % 2] = _mm256_setzero_ps();
     int n = 0;
-#define TAKE(expr) (mode == FROM_BUF ? vb[n++] : (expr))
 #define ACC(p, h, v, feat)                                                                                        \
     do {                                                                                                          \
         __m256 v_ = (v);                                                                                          \
         if (mode == EXPAND)                                                                                       \
             vb[n++] = v_;                                                                                         \
-        for (int r = 0; r < mr; r++)                                                                              \
+        _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++)                                                      \
             a[r][p][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * ldxs + (p) * pstride + (feat)), v_,         \
                                          a[r][p][h]);                                                             \
     } while (0)
@@ -232,62 +248,111 @@ static inline __attribute__((always_inline)) void rows_block_cols(const qdesc *q
         for (int c = 0; c < q->bkk / 2; c++) {
             __m256i d[2];
             for (int h = 0; h < 2; h++)
-                d[h] = mode == FROM_BUF ? _mm256_setzero_si256()
-                                        : _mm256_loadu_si256((const __m256i *)(codes + 64 * c + 32 * h));
+                d[h] = _mm256_loadu_si256((const __m256i *)(codes + 64 * c + 32 * h));
+#pragma GCC unroll 4
             for (int j = 0; j < 4; j++)
+#pragma GCC unroll 2
                 for (int f = 0; f < 2; f++)
+#pragma GCC unroll 2
                     for (int h = 0; h < 2; h++)
-                        ACC(j % 2, h, TAKE(nibble(d[h], j, f)), 4 * c + 2 * (j / 2) + f);
+                        ACC(j % 2, h, nibble(d[h], j, f), 4 * c + 2 * (j / 2) + f);
         }
     } else {
         const __m128i low4 = _mm_set1_epi8(0x0F);
         for (int c = 0; c < q->bkk / 2; c++)
+#pragma GCC unroll 2
             for (int p = 0; p < 2; p++)
+#pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     const uint8_t *at = codes + 64 * c + 32 * h + 8 * p;
-                    __m128i s = mode == FROM_BUF ? _mm_setzero_si128() : feature_bytes(at, at + 16);
+                    __m128i s = feature_bytes(at, at + 16);
                     __m128i lo = _mm_shuffle_epi8(q->t8, _mm_and_si128(s, low4));
                     __m128i hi = _mm_shuffle_epi8(q->t8, _mm_and_si128(_mm_srli_epi16(s, 4), low4));
-                    ACC(p, h, TAKE(int8_low(lo)), 4 * c);
-                    ACC(p, h, TAKE(int8_high(lo)), 4 * c + 1);
-                    ACC(p, h, TAKE(int8_low(hi)), 4 * c + 2);
-                    ACC(p, h, TAKE(int8_high(hi)), 4 * c + 3);
+                    ACC(p, h, int8_low(lo), 4 * c);
+                    ACC(p, h, int8_high(lo), 4 * c + 1);
+                    ACC(p, h, int8_low(hi), 4 * c + 2);
+                    ACC(p, h, int8_high(hi), 4 * c + 3);
                 }
     }
-#undef TAKE
 #undef ACC
-    const __m256 vscale = _mm256_set1_ps(kind == 4 ? 0.5f : 1.0f);     // kind 4's int8 values are 2 x E2M1
-    for (int r = 0; r < mr; r++) {
-        __m256 s = _mm256_set1_ps(sx[r * q->nb]), corr = _mm256_set1_ps(q->corr * sx[r * q->nb]);
+#pragma GCC unroll 3
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 2
         for (int p = 0; p < 2; p++)
-            for (int h = 0; h < 2; h++) {
-                float *t = tot + UNIT * r + 16 * p + 8 * h;
-                __m256 v = _mm256_sub_ps(_mm256_mul_ps(a[r][p][h], vscale), corr);
-                __m256 out = _mm256_fmadd_ps(v, sc[p][h], _mm256_loadu_ps(t));
-                if (q->has_min)
-                    out = _mm256_fmadd_ps(mn[p][h], s, out);
-                _mm256_storeu_ps(t, out);
-            }
-    }
+            cols_out(q, kind, a[r][p][0], a[r][p][1], p, sc, mn, sx[r * q->nb], tot + UNIT * r);
 }
 
-// All rows of the call over one block in the column form: one row straight from the codes; more rows through the
-// vectors expanded once into vb, two rows at a time (8 accumulators).
+// A row tile over one expanded block in the column form: rows r < mr times panels p0 .. p0 + np - 1, from the
+// vectors EXPAND stored in vb, each accumulator summing its features in rows_block_cols's order (so a row's
+// operations are those it has alone). mr * np <= 6: up to 12 accumulators, each broadcast of x feeding two.
+static inline __attribute__((always_inline)) void tile_cols(const qdesc *q, int kind, const __m256 *vb,
+                                                            const float *xs, int64_t ldxs, int64_t pstride, int mr,
+                                                            int p0, int np, __m256 sc[2][2], __m256 mn[2][2],
+                                                            const float *sx, float *tot) {
+    __m256 a0[TILE_ROWS], a1[TILE_ROWS];             // [i = (p - p0) mr + r]: halves 0 and 1
+#pragma GCC unroll 6
+    for (int i = 0; i < TILE_ROWS; i++) {
+        a0[i] = _mm256_setzero_ps();
+        a1[i] = _mm256_setzero_ps();
+    }
+    for (int c = 0; c < q->bkk / 2; c++)
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++)                  // feature 4c + t
+#pragma GCC unroll 2
+            for (int p = p0; p < p0 + np; p++) {     // at: vb's index of (feature, panel, half 0)
+                int at = kind == 5 ? ((c * 4 + p + 2 * (t / 2)) * 2 + t % 2) * 2 : (c * 2 + p) * 8 + t;
+                __m256 v0 = vb[at], v1 = vb[at + (kind == 5 ? 1 : 4)];
+#pragma GCC unroll 6
+                for (int r = 0; r < mr; r++) {
+                    __m256 xb = _mm256_broadcast_ss(xs + r * ldxs + p * pstride + 4 * c + t);
+                    int i = (p - p0) * mr + r;
+                    a0[i] = _mm256_fmadd_ps(xb, v0, a0[i]);
+                    a1[i] = _mm256_fmadd_ps(xb, v1, a1[i]);
+                }
+            }
+#pragma GCC unroll 2
+    for (int p = p0; p < p0 + np; p++)
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; r++)
+            cols_out(q, kind, a0[(p - p0) * mr + r], a1[(p - p0) * mr + r], p, sc, mn, sx[r * q->nb], tot + UNIT * r);
+}
+
+// All rows of the call over one block in the column form: up to 3 rows straight from the codes; more rows expand
+// the vectors once into vb (with the first two rows' sums), then tiles of 6 rows x 16 columns (as rows_gemm.c's;
+// kind 4, whose x is one copy for both panels: 3 rows x 32 columns) and smaller ones for the rest.
 static inline __attribute__((always_inline)) void block_cols(const qdesc *q, int kind, const uint8_t *codes,
                                                              __m256 *vb, const float *xs, int64_t ldxs,
                                                              int64_t pstride, int64_t m, __m256 sc[2][2],
                                                              __m256 mn[2][2], const float *sx, float *tot) {
-    if (m == 1) {
-        rows_block_cols(q, kind, DIRECT, codes, vb, xs, ldxs, pstride, 1, sc, mn, sx, tot);
+    if (m <= 3) {                                    // expanded in registers for each tile of rows
+        if (m == 3)
+            rows_block_cols(q, kind, DIRECT, codes, vb, xs, ldxs, pstride, 3, sc, mn, sx, tot);
+        else if (m == 2)
+            rows_block_cols(q, kind, DIRECT, codes, vb, xs, ldxs, pstride, 2, sc, mn, sx, tot);
+        else
+            rows_block_cols(q, kind, DIRECT, codes, vb, xs, ldxs, pstride, 1, sc, mn, sx, tot);
         return;
     }
     rows_block_cols(q, kind, EXPAND, codes, vb, xs, ldxs, pstride, 2, sc, mn, sx, tot);
-    for (int64_t r0 = 2; r0 < m; r0 += 2) {
+    for (int64_t r0 = 2; r0 < m;) {
         const float *xr = xs + r0 * ldxs, *sxr = sx + r0 * q->nb;
-        if (m - r0 >= 2)
-            rows_block_cols(q, kind, FROM_BUF, codes, vb, xr, ldxs, pstride, 2, sc, mn, sxr, tot + UNIT * r0);
-        else
-            rows_block_cols(q, kind, FROM_BUF, codes, vb, xr, ldxs, pstride, 1, sc, mn, sxr, tot + UNIT * r0);
+        float *tr = tot + UNIT * r0;
+        int64_t rest = m - r0;
+#define TILE(mr, p0, np) tile_cols(q, kind, vb, xr, ldxs, pstride, mr, p0, np, sc, mn, sxr, tr)
+        if (kind == 4 && rest >= 3) {               // both panels: one broadcast of x feeds four vectors
+            TILE(3, 0, 2);
+        } else if (rest >= 6) {                      // one panel at a time: 12 accumulators
+            TILE(6, 0, 1);
+            TILE(6, 1, 1);
+        } else if (rest >= 3 && rest != 4) {         // 5 = 3 + 2
+            TILE(3, 0, 2);
+        } else if (rest >= 2) {                      // 4 = 2 + 2
+            TILE(2, 0, 2);
+        } else {
+            TILE(1, 0, 2);
+        }
+        r0 += kind == 4 && rest >= 3 ? 3 : rest >= 6 ? 6 : rest >= 3 && rest != 4 ? 3 : rest >= 2 ? 2 : 1;
+#undef TILE
     }
 }
 

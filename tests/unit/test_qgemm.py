@@ -84,7 +84,8 @@ def test_a_row_is_computed_alike_whatever_rows_share_the_call(name: str, fns, k:
             x = x.bfloat16()
         call = qgemm_avx2.call if fns is None else (lambda x, w: qgemm._call(x, w, None, torch.float32, fns))
         full = call(x, w)
-        for lo, hi in ((0, 1), (5, 6), (39, 40), (7, 9), (3, 20), (16, 33), (2, 18), (30, 34)):
+        for lo, hi in ((0, 1), (5, 6), (39, 40), (7, 9), (3, 20), (16, 33), (2, 18), (30, 34), (10, 15), (20, 26),
+                       (33, 40), (1, 9)):
             assert torch.equal(call(x[lo:hi], w), full[lo:hi]), (fmt, lo, hi)
 
 
