@@ -46,7 +46,7 @@ def server_options(max_receive_bytes: int | None = None,
     sizes = [(k, max_receive_bytes if max_receive_bytes and k.endswith("receive_message_length") else v)
              for k, v in message_options()]
     out = sizes + [("grpc.keepalive_permit_without_calls", 1),
-                   ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000)]
+                   ("grpc.http2.min_ping_interval_without_data_ms", 4_000)]
     if limits is not None:
         out += [("grpc.max_concurrent_streams", limits.streams_per_connection),
                 ("grpc.max_connection_idle_ms", int(limits.idle_s * 1000))]
