@@ -201,6 +201,22 @@ def anonymous_cached_tokens() -> Any:
                          "caller whether another sent the same prefix; a server with one user may turn it on")
 
 
+
+ANONYMOUS_PREFIX_CACHE = ("shared", "private")
+
+
+def anonymous_prefix_cache() -> Any:
+    return option("shared", "router: the prefix cache of callers without an API key or a cache_salt of their own: "
+                            "shared (one partition: a prompt reuses any earlier caller's blocks, so the time to the "
+                            "first token can tell a caller that another sent the same prefix) or private (each "
+                            "request its own partition: no reuse across requests, nothing to learn)")
+
+
+def check_anonymous_prefix_cache(value: str) -> None:
+    if value not in ANONYMOUS_PREFIX_CACHE:
+        raise ValueError(f"anonymous_prefix_cache must be one of {', '.join(ANONYMOUS_PREFIX_CACHE)}, got {value!r}")
+
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 

@@ -29,6 +29,7 @@ class ServeConfig:
     reasoning_parser: str = option("", "router: think = a chat answer's <think>...</think> becomes reasoning_content")
     tool_call_parser: str = options.tool_call_parser()
     anonymous_cached_tokens: bool = options.anonymous_cached_tokens()
+    anonymous_prefix_cache: str = options.anonymous_prefix_cache()
     served_model_name: str | None = option(None, "the model's name in the OpenAI API (default: the model's file or "
                                                  "folder name without extension or quantisation suffix)")
     address: str = option("127.0.0.1:50051", "router gRPC address (the public API)")
@@ -106,6 +107,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         options.check_tool_call_parser(self.tool_call_parser)
+        options.check_anonymous_prefix_cache(self.anonymous_prefix_cache)
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"chat_template {self.chat_template!r} is not a file")
         parse_hf_overrides(self.hf_overrides)

@@ -63,6 +63,7 @@ class RouterConfig(options.TLS):
                                             "from; give every router of a deployment the same one (default: "
                                             "derived from the configured keys)")
     anonymous_cached_tokens: bool = options.anonymous_cached_tokens()
+    anonymous_prefix_cache: str = options.anonymous_prefix_cache()
     max_prompt_tokens: int = option(0, "longest prompt in tokens for every caller (0 = the context window)")
     max_output_tokens: int = option(0, "largest max_tokens for every caller; unset max_tokens is capped to it "
                                        "(0 = the context window)")
@@ -87,6 +88,7 @@ class RouterConfig(options.TLS):
 
     def __post_init__(self) -> None:
         options.check_tool_call_parser(self.tool_call_parser)
+        options.check_anonymous_prefix_cache(self.anonymous_prefix_cache)
         if self.require_api_key and not (self.api_key or self.api_keys_file):
             raise ValueError("require_api_key is set but no API key is configured: give --api-key (better: "
                              "UPESI_API_KEY) or --api-keys-file, or set --require-api-key false to serve anyone")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -169,6 +170,8 @@ class Frontend:
             ids, params = await asyncio.to_thread(self.prepare, inp, caller)
             params.cache_salt = caller.cache_salt(inp.cache_salt)
             hide_cached = not params.cache_salt and not self.cfg.anonymous_cached_tokens   # the shared partition
+            if not params.cache_salt and self.cfg.anonymous_prefix_cache == "private":
+                params.cache_salt = "anonymous\x00" + secrets.token_hex(16)      # this request's own partition
             with caller.admitted():
                 caller.check_rate(len(ids))                  # after the concurrency slot: a refusal costs no rate
                 out = 0
