@@ -170,9 +170,10 @@ def kv_transfer() -> Any:
                             "Direct moves each block once and needs no store (docs/kv-store.md)")
 
 
-def check_kv_transfer(mode: str) -> None:
-    if mode not in KV_TRANSFERS:
-        raise ValueError(f"kv_transfer must be one of {', '.join(KV_TRANSFERS)}, got {mode!r}")
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """ValueError unless `value` is one of `choices` (the option `name` takes one of a few words)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 # ---------------------------------------------------------------- TLS
@@ -212,11 +213,6 @@ def anonymous_prefix_cache() -> Any:
                             "request its own partition: no reuse across requests, nothing to learn)")
 
 
-def check_anonymous_prefix_cache(value: str) -> None:
-    if value not in ANONYMOUS_PREFIX_CACHE:
-        raise ValueError(f"anonymous_prefix_cache must be one of {', '.join(ANONYMOUS_PREFIX_CACHE)}, got {value!r}")
-
-
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
@@ -224,11 +220,6 @@ def tool_call_parser() -> Any:
     return option("hermes", "router: the format of tool calls in a chat answer with tool_choice auto, as the model's "
                             "template teaches it (vLLM's names): hermes (<tool_call> blocks: Qwen, SmolLM, Hermes), "
                             "llama3_json (a JSON object per call: Llama 3.1+), mistral ([TOOL_CALLS])")
-
-
-def check_tool_call_parser(name: str) -> None:
-    if name not in TOOL_CALL_PARSERS:
-        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
 
 
 def hf_overrides() -> Any:

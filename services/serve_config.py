@@ -106,8 +106,9 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
-        options.check_tool_call_parser(self.tool_call_parser)
-        options.check_anonymous_prefix_cache(self.anonymous_prefix_cache)
+        options.check_choice("tool_call_parser", self.tool_call_parser, options.TOOL_CALL_PARSERS)
+        options.check_choice("anonymous_prefix_cache", self.anonymous_prefix_cache,
+                             options.ANONYMOUS_PREFIX_CACHE)
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"chat_template {self.chat_template!r} is not a file")
         parse_hf_overrides(self.hf_overrides)
@@ -128,7 +129,7 @@ class ServeConfig:
         check_write_policy(self.kv_store_write_policy, threshold=self.kv_store_write_threshold)
         if self.prefill_replicas < 0:
             raise ValueError(f"prefill_replicas must be >= 0, got {self.prefill_replicas}")
-        options.check_kv_transfer(self.kv_transfer)
+        options.check_choice("kv_transfer", self.kv_transfer, options.KV_TRANSFERS)
         if self.prefill_replicas and self.kv_transfer == "store" and not self.kv_store:
             raise ValueError("--prefill-replicas with --kv-transfer store hands KV blocks to the decode targets "
                              "through the KV store: give --kv-store redis://host:port/db too (a redis-server it may "

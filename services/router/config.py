@@ -87,8 +87,9 @@ class RouterConfig(options.TLS):
         return [a.strip() for a in (self.prefill_target or "").split(",") if a.strip()]
 
     def __post_init__(self) -> None:
-        options.check_tool_call_parser(self.tool_call_parser)
-        options.check_anonymous_prefix_cache(self.anonymous_prefix_cache)
+        options.check_choice("tool_call_parser", self.tool_call_parser, options.TOOL_CALL_PARSERS)
+        options.check_choice("anonymous_prefix_cache", self.anonymous_prefix_cache,
+                             options.ANONYMOUS_PREFIX_CACHE)
         if self.require_api_key and not (self.api_key or self.api_keys_file):
             raise ValueError("require_api_key is set but no API key is configured: give --api-key (better: "
                              "UPESI_API_KEY) or --api-keys-file, or set --require-api-key false to serve anyone")
@@ -100,7 +101,7 @@ class RouterConfig(options.TLS):
             raise ValueError("max_concurrent_requests, max_n and http_max_connections must be positive")
         if self.speculative_max_requests < 0:
             raise ValueError(f"speculative_max_requests must be >= 0 (0 = always), got {self.speculative_max_requests}")
-        options.check_kv_transfer(self.kv_transfer)
+        options.check_choice("kv_transfer", self.kv_transfer, options.KV_TRANSFERS)
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
         if self.max_request_bytes < 1024 or self.max_prompt_chars < 0:

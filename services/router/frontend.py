@@ -17,7 +17,7 @@ from services.router.config import RouterConfig
 from services.router.draft_client import DraftClient
 from services.router.limits import Caller
 from services.router.spec_guard import SpeculationGuard
-from services.router.generation_io import ChoiceDelta, GenerationInput, Logprob, StreamChunk
+from services.router.generation_io import ChoiceDelta, GenerationInput, StreamChunk
 from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
 from shared.errors import Draining, InvalidRequest, Overloaded, PeerUnavailable

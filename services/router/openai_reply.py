@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.router.frontend import ChoiceDelta, Logprob, StreamChunk
+from services.router.generation_io import ChoiceDelta, Logprob, StreamChunk
 from shared.tool_stream import ToolCallStream
 from shared.errors import PeerUnavailable
 from shared.reasoning import split as split_reasoning
