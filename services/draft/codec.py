@@ -15,7 +15,7 @@ def deltas_from_pb(req: target_pb2.ProposeRequest) -> list[SeqDelta]:
     return [SeqDelta(s.key, s.base, list(s.tokens), s.k,
                      SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                                     seed=s.seed if s.HasField("seed") else None, max_tokens=1 << 30),
-                     hidden_from_pb(s), s.hidden_start)
+                     hidden_from_pb(s), s.hidden_start, s.chain)
             for s in req.seqs]
 
 

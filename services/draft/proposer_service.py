@@ -20,6 +20,7 @@ class SeqDelta:
     params: SamplingParams
     hidden: torch.Tensor | None = None       # [M, D] target hidden states of positions hidden_start ..
     hidden_start: int = 0
+    chain: bool = False                      # the target verifies only a chain for this sequence
 
 
 class DraftState:
@@ -58,6 +59,7 @@ class DraftState:
                     seq = self.seqs[d.key] = Sequence(d.key, 0, [], d.params)
                     seq.num_prompt_tokens = 0
                 seq.token_ids = seq.token_ids[:d.base] + d.tokens
+                seq.chain_only = d.chain
                 if self.wants_hidden and d.hidden is not None and len(d.hidden):
                     self.proposer.accept_hidden(seq, d.hidden_start, d.hidden)
                 seqs.append(seq)

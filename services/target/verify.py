@@ -75,7 +75,8 @@ class StreamProposer:
             p = s.params
             self.known.add(s.seq_id)
             msg = req.seqs.add(key=str(s.seq_id), base=base, tokens=s.token_ids[base:], k=k,
-                               temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+                               temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                               chain=not s.drafts_trees())
             pending = self.hidden.pop(s.seq_id, None)
             if pending is not None:
                 _, (msg.hidden_rows, msg.hidden_dim), msg.hidden = tensor_codec.encode(torch.cat(pending[1]).float())

@@ -25,7 +25,7 @@ class Sequence:
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
                  "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_parents",
                  "spec_k", "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns",
-                 "num_released_blocks", "long_rope", "guide", "prompt_logprobs")
+                 "num_released_blocks", "long_rope", "guide", "prompt_logprobs", "chain_only")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -48,6 +48,7 @@ class Sequence:
         self.spec_probs = None                   # their draft probabilities q [K, V], None for point masses
         self.spec_parents: list[int] | None = None   # a draft tree's parent indices (shared.tree); None: chain
         self.spec_k = 0                          # adaptive number of tokens to propose (0 = not decided yet)
+        self.chain_only = False                  # a draft service's mirror: its target verifies chains only
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.finish_reason: str | None = None
@@ -69,6 +70,13 @@ class Sequence:
         child.long_rope = self.long_rope
         child.trace_ctx, child.prefill_start_ns = self.trace_ctx, -1
         return child
+
+    def drafts_trees(self) -> bool:
+        """Whether a draft tree can be verified for this sequence: trees are verified greedily and plainly, so a
+        sampled request, or one with logits processing, logprobs or structured output, is drafted chains."""
+        p = self.params
+        return (p.greedy and not p.processed and p.logprobs is None and self.guide is None
+                and not self.chain_only)
 
     def drop_speculation(self) -> None:
         """Forgets unverified draft tokens (when the step cannot verify them: preemption, token budget)."""

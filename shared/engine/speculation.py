@@ -74,10 +74,8 @@ class SpeculationMixin:
         for seq, (tokens, probs, parents) in zip(seqs, proposals):
             if is_chain(parents):
                 parents = None
-            elif (not seq.params.greedy or seq.params.processed or seq.params.logprobs is not None
-                  or seq.guide is not None):
-                continue                      # trees are verified greedily and plainly only: such a sequence
-                #                               decodes without speculation this step
+            elif not seq.drafts_trees():
+                continue                      # a proposer that drafted a tree anyway: this step decodes plainly
             if tokens:
                 seq.token_ids.extend(tokens)
                 seq.spec_tokens, seq.spec_probs, seq.spec_parents = list(tokens), probs, parents

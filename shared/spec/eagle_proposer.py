@@ -131,7 +131,7 @@ class EagleProposer:
         # 2) greedy sequences: draft trees of up to K depths (shared.spec.eagle_tree) sharing tree_nodes nodes
         # per step, since the target verifies every node of the batch in one pass: a sequence alone gets them all,
         # a batch of 8 one each (its head's first choice).
-        trees = [r for r, i in enumerate(live) if self.tree_nodes and seqs[i].params.greedy]
+        trees = [r for r, i in enumerate(live) if self.tree_nodes and seqs[i].drafts_trees()]
         in_tree = set(trees)
         if trees:
             nodes = max(1, self.tree_nodes // len(trees))
