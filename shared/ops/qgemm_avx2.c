@@ -338,21 +338,22 @@ static inline __attribute__((always_inline)) void block_cols(const qdesc *q, int
         const float *xr = xs + r0 * ldxs, *sxr = sx + r0 * q->nb;
         float *tr = tot + UNIT * r0;
         int64_t rest = m - r0;
+        // 6 rows one panel at a time (12 accumulators), else both panels: kind 4's x serves them both, so one
+        // broadcast feeds four vectors; the rest as 3 + 2 or 2 + 2
+        int64_t rows = kind == 4 && rest >= 3 ? 3 : rest >= 6 ? 6 : rest >= 3 && rest != 4 ? 3 : rest >= 2 ? 2 : 1;
 #define TILE(mr, p0, np) tile_cols(q, kind, vb, xr, ldxs, pstride, mr, p0, np, sc, mn, sxr, tr)
-        if (kind == 4 && rest >= 3) {               // both panels: one broadcast of x feeds four vectors
-            TILE(3, 0, 2);
-        } else if (rest >= 6) {                      // one panel at a time: 12 accumulators
+        if (rows == 6) {
             TILE(6, 0, 1);
             TILE(6, 1, 1);
-        } else if (rest >= 3 && rest != 4) {         // 5 = 3 + 2
+        } else if (rows == 3) {
             TILE(3, 0, 2);
-        } else if (rest >= 2) {                      // 4 = 2 + 2
+        } else if (rows == 2) {
             TILE(2, 0, 2);
         } else {
             TILE(1, 0, 2);
         }
-        r0 += kind == 4 && rest >= 3 ? 3 : rest >= 6 ? 6 : rest >= 3 && rest != 4 ? 3 : rest >= 2 ? 2 : 1;
 #undef TILE
+        r0 += rows;
     }
 }
 
