@@ -16,19 +16,19 @@ from services.router.auth import KeyTable
 from services.router.config import RouterConfig
 from services.router.draft_client import DraftClient
 from services.router.limits import Caller
+from services.router.placement import Placement
 from services.router.spec_guard import SpeculationGuard
 from services.router.generation_io import ChoiceDelta, GenerationInput, StreamChunk
 from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
 from shared.errors import Draining, InvalidRequest, Overloaded, PeerUnavailable
 from shared.kv.hashing import cache_extra, hash_chain
-from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad, choose_replica
+from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad
 from shared.sampling_params import SamplingParams
 from shared.text_output import ChoiceText
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("upesi.router")
-REGISTRY_WAIT_S = 0.1        # longest a routing decision waits on the prefix registry before routing by load
 
 
 class Frontend:
@@ -45,6 +45,7 @@ class Frontend:
         self.draining = False                                # set on SIGTERM: new requests are refused
         self.load = {t.address: 0 for t in [*targets, *self.prefill]}   # requests open here on each replica
         self.guard = SpeculationGuard()                      # does speculation pay here, for a request alone
+        self.placement = Placement(registry)                 # registry lookups on their own threads
 
     async def choose_target(self, ids: list[int], salt: str, tried: list[TargetClient] = ()) -> TargetClient:
         """The replica with the longest cached prefix of this prompt, weighed against its load, among those not
@@ -56,14 +57,7 @@ class Frontend:
         chain = hash_chain(ids, self.info.block_size, cache_extra(self.info.model, salt))
         loads = {t.address: ReplicaLoad(running=self.load[t.address]) for t in candidates}
         replicas = [ReplicaId(t.address) for t in candidates]
-        # Redis calls block: keep them off the event loop, and route by load alone when the registry does not answer
-        # within REGISTRY_WAIT_S (a frozen Redis would otherwise hold this request for its timeout and retry).
-        lookup = asyncio.to_thread(choose_replica, chain, replicas, loads, self.info.block_size,
-                                   registry=self.registry)
-        try:
-            chosen = await asyncio.wait_for(lookup, REGISTRY_WAIT_S)
-        except asyncio.TimeoutError:
-            chosen = choose_replica(chain, replicas, loads, self.info.block_size)
+        chosen = await self.placement.choose(chain, replicas, loads, self.info.block_size)
         return next(t for t in self.targets if t.address == chosen)
 
     def choose_draft(self, params: SamplingParams) -> DraftClient | None:

@@ -59,6 +59,7 @@ async def serve(cfg: RouterConfig) -> None:
             j.cancel()
         for t in [*targets, *prefill, *drafts]:
             await t.close()
+        frontend.placement.close()
         if registry is not None:
             registry.close()
 
