@@ -48,6 +48,13 @@ class RMSNorm(nn.Module):
             return rms_norm.rms_norm(x, self.weight, self.eps)
         return rms_norm.reference(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, its norm): the residual add and this norm in one pass where the C kernel takes them."""
+        if rms_norm.add_supports(x, a, self.weight):
+            return rms_norm.add_rms_norm(x, a, self.weight, self.eps)
+        s = x + a
+        return s, self(s)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
@@ -98,8 +105,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.step(x, None, cos, sin, meta, kv)
+        return x + h
+
+    def step(self, x: torch.Tensor, h: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             meta: AttentionMetadata, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its residual adds fused into the norms after them: x [T, D] the residual stream, h [T, D]
+        the previous layer's MLP output not yet added to it (None: nothing pending) -> (x, this layer's MLP output),
+        so that x + h is what forward returns."""
+        if h is None:
+            n = self.input_layernorm(x)
+        else:
+            x, n = self.input_layernorm.add_forward(x, h)
+        x, n = self.post_attention_layernorm.add_forward(x, self.self_attn(n, cos, sin, meta, kv))
+        return x, self.mlp(n)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,6 +158,12 @@ class LlamaForCausalLM(nn.Module):
         stack = self._decoder_stack(kv_caches)
         if stack is not None and stack.takes(x, meta):                     # a few bf16 rows: every layer in C
             return self.norm(stack.run(x, cos, sin, meta))
+        if all(type(layer) is DecoderLayer and not (layer._forward_hooks or layer._forward_pre_hooks)
+               for layer in self.layers):                                  # each layer's last add fused into the next
+            h = None
+            for layer, kv in zip(self.layers, kv_caches):
+                x, h = layer.step(x, h, cos, sin, meta, kv)
+            return self.norm(x + h)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
         return self.norm(x)

@@ -23,7 +23,21 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "bf16_512.h"
 #include "exp_avx2.h"
+
+static int rope_avx512 = -1;           // RoPE's AVX-512 path; -1: where the CPU has it
+
+// Chooses RoPE's path: 1 AVX-512 where the CPU has it, 0 AVX2 (the same bits); returns whether AVX-512 runs.
+int upesi_rope_avx512(int on) {
+    rope_avx512 = on && upesi_avx512();
+    return rope_avx512;
+}
+
+static int rope_avx512_on(void) {
+    if (rope_avx512 < 0) rope_avx512 = upesi_avx512();
+    return rope_avx512;
+}
 
 #define PREFETCH 16           // rows of K and V read ahead (about a DRAM latency of work at 64 dims)
 
@@ -76,8 +90,47 @@ static void rope_head(float *x, const float *cos, const float *sin, int dh, int 
     memcpy(x, r, (size_t)dh * 4);
 }
 
+// x * cos + rot * sin for 16 lanes, rounded as rope8.
+UPESI_AVX512 static inline __m512 rope16(__m512 x, __m512 rot, __m512 c, __m512 s, int bf16) {
+    __m512 a = _mm512_mul_ps(x, c), b = _mm512_mul_ps(rot, s);
+    if (!bf16) return _mm512_add_ps(a, b);
+    return bf16x16_round(_mm512_add_ps(bf16x16_round(a), bf16x16_round(b)));
+}
+
+// One row of upesi_rope_store on AVX-512 (rot a multiple of 32): each head rotated in registers, the unrotated
+// dims and v copied as they are (a bf16 -> fp32 -> bf16 round trip is the identity).
+UPESI_AVX512 static void rope_store_row_512(char *row, const void *cos, const void *sin, char *k_dst, char *v_dst,
+                                            int h, int kvh, int dh, int rot, int bf16) {
+    int64_t e = bf16 ? 2 : 4, half = rot / 2;
+    __m512i neg = _mm512_set1_epi32((int)0x80000000u);
+    for (int hh = 0; hh < h + kvh; hh++) {                   // q heads, then k heads
+        char *x = row + (int64_t)hh * dh * e;
+        for (int64_t d = 0; d < half; d += 16) {
+            __m512 lo = row16_load(x, d, 0xffff, bf16), hi = row16_load(x, half + d, 0xffff, bf16);
+            __m512 minus_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), neg));
+            __m512 out_lo = rope16(lo, minus_hi, row16_load(cos, d, 0xffff, bf16), row16_load(sin, d, 0xffff, bf16),
+                                   bf16);
+            __m512 out_hi = rope16(hi, lo, row16_load(cos, half + d, 0xffff, bf16),
+                                   row16_load(sin, half + d, 0xffff, bf16), bf16);
+            row16_store(x, d, out_lo, 0xffff, bf16);
+            row16_store(x, half + d, out_hi, 0xffff, bf16);
+        }
+        if (hh >= h) memcpy(k_dst + (int64_t)(hh - h) * dh * e, x, (size_t)(dh * e));
+    }
+    memcpy(v_dst, row + (int64_t)(h + kvh) * dh * e, (size_t)(kvh * dh * e));
+}
+
 void upesi_rope_store(void *qkv, int64_t t, int64_t row_stride, int h, int kvh, int dh, int rot, const void *cos,
                       const void *sin, void *k_cache, void *v_cache, const int64_t *slots, int bf16) {
+    if (rot % 32 == 0 && rope_avx512_on()) {
+        int64_t e = bf16 ? 2 : 4;
+        #pragma omp parallel for schedule(static) if (t > 1)
+        for (int64_t r = 0; r < t; r++)
+            rope_store_row_512((char *)qkv + r * row_stride * e, (const char *)cos + r * rot * e,
+                               (const char *)sin + r * rot * e, (char *)k_cache + slots[r] * kvh * dh * e,
+                               (char *)v_cache + slots[r] * kvh * dh * e, h, kvh, dh, rot, bf16);
+        return;
+    }
     #pragma omp parallel for schedule(static) if (t > 1)
     for (int64_t r = 0; r < t; r++) {
         float x[512], c[512], s[512];

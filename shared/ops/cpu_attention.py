@@ -49,6 +49,7 @@ def _lib() -> ctypes.CDLL | None:
         fn.restype = None
     lib.upesi_attention_avx512.argtypes, lib.upesi_attention_avx512.restype = [ctypes.c_int], None
     lib.upesi_attention_avx512(int(avx512_default()))
+    lib.upesi_rope_avx512.argtypes, lib.upesi_rope_avx512.restype = [ctypes.c_int], ctypes.c_int
     return lib
 
 
@@ -60,6 +61,12 @@ def avx512_default() -> bool:
 def set_avx512(on: bool) -> None:
     """Whether bf16 rows (head dims a multiple of 32) take the AVX-512 path from now on, in this process."""
     _lib().upesi_attention_avx512(int(on))
+
+
+def rope_avx512(on: bool) -> bool:
+    """Chooses rope_store's AVX-512 path (where the CPU has it) or its AVX2 one; returns whether AVX-512 runs. Both
+    give the same bits; the choice exists for tests."""
+    return bool(_lib().upesi_rope_avx512(int(on)))
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

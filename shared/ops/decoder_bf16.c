@@ -10,24 +10,11 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "bf16_512.h"
 #include "decoder_layout.h"
 
 typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
                         uint16_t *, int64_t, int);
-
-// 16 lanes of bf16 -> fp32, and fp32 -> bf16 rounded to nearest even as f32_to_bf16 (NaN kept quiet).
-static inline __m512 load16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline void store16(uint16_t *p, __m512 v, __mmask16 m) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
 
 // exp(x) in fp32, about 1 ulp (Cephes' polynomial on [-ln2/2, ln2/2], scaled by 2^n with vscalefps, so large
 // arguments give inf or 0 as expf does).
@@ -53,14 +40,11 @@ void upesi_silu_mul_bf16(const uint16_t *gu, int64_t t, int64_t ld, int64_t inte
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && t > 1 && t * inter >= 8192)
     for (int64_t r = 0; r < t; r++)
         for (int64_t i = 0; i < inter; i += 16) {
-            int64_t left = inter - i;
-            __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-            __m512 g = load16(gu + r * ld + i, m), u = load16(gu + r * ld + inter + i, m);
+            __mmask16 m = mask16(inter - i);
+            __m512 g = bf16x16_load(gu + r * ld + i, m), u = bf16x16_load(gu + r * ld + inter + i, m);
             __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(),
                                                                                               g))));
-            uint16_t tmp[16];
-            store16(tmp, s, 0xffff);
-            store16(out + r * inter + i, _mm512_mul_ps(load16(tmp, 0xffff), u), m);
+            bf16x16_store(out + r * inter + i, _mm512_mul_ps(bf16x16_round(s), u), m);
         }
 }
 
@@ -68,9 +52,8 @@ void upesi_silu_mul_bf16(const uint16_t *gu, int64_t t, int64_t ld, int64_t inte
 static void add_rows(uint16_t *x, const uint16_t *a, int64_t n, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 8192)
     for (int64_t i = 0; i < n; i += 16) {
-        int64_t left = n - i;
-        __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        store16(x + i, _mm512_add_ps(load16(x + i, m), load16(a + i, m)), m);
+        __mmask16 m = mask16(n - i);
+        bf16x16_store(x + i, _mm512_add_ps(bf16x16_load(x + i, m), bf16x16_load(a + i, m)), m);
     }
 }
 

@@ -4,7 +4,8 @@ A decode step of the default model runs 61 norms; each is a handful of tiny tens
 than their arithmetic; the C call costs a fraction of that (docs/performance.md). The reference is the
 torch path of shared.model.llama.RMSNorm (tests/unit/test_rms_norm.py); results agree to the last bit or two of
 the sum of squares (another summation order). Built with shared.ops.c_build at first use; UPESI_CPU_NORM=0, no
-compiler or a failed self-check leave the torch path. Shapes: T = rows, D = features (at most 8192).
+compiler or a failed self-check leave the torch path. `add_rms_norm` is the residual add and the norm after it in
+one pass (a prefill's rows cross memory once instead of three times). Shapes: T = rows, D = features (at most 8192).
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.upesi_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.upesi_rms_norm.restype = None
+    lib.upesi_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.upesi_add_rms_norm.restype = None
+    lib.upesi_rms_norm_avx512.argtypes, lib.upesi_rms_norm_avx512.restype = [ctypes.c_int], ctypes.c_int
     return lib
 
 
@@ -72,3 +77,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _lib().upesi_rms_norm(x2.data_ptr(), x2.shape[0], x2.stride(0), d, weight.contiguous().data_ptr(), eps,
                               y.data_ptr(), int(x.dtype == torch.bfloat16))
     return y.view(x.shape)
+
+
+def add_supports(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether add_rms_norm takes these: supports(x), and a of x's shape and dtype, both contiguous."""
+    return (supports(x, weight) and a.shape == x.shape and a.dtype == x.dtype and a.device.type == "cpu"
+            and x.is_contiguous() and a.is_contiguous() and not (torch.is_grad_enabled() and a.requires_grad))
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """x, a [..., D] -> (s, y): s = x + a in x's dtype (torch's add), y = rms_norm(s) [..., D]."""
+    d = x.shape[-1]
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    if x.numel():
+        _lib().upesi_add_rms_norm(x.data_ptr(), a.data_ptr(), x.numel() // d, d, weight.contiguous().data_ptr(),
+                                  eps, s.data_ptr(), y.data_ptr(), int(x.dtype == torch.bfloat16))
+    return s, y
+
+
+def use_avx512(on: bool) -> bool:
+    """Chooses the kernel's AVX-512 path (where the CPU has it) or its AVX2 one; returns whether AVX-512 runs.
+    Both give the same bits; the choice exists for tests."""
+    return bool(_lib().upesi_rms_norm_avx512(int(on)))

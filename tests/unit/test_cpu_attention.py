@@ -97,23 +97,31 @@ def test_one_sequence_splits_its_query_heads_without_changing_a_bit(dtype, path)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("rot", [64, 32, 16])                                  # all dims, then partial rotary
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_equals_apply_rope_and_write_kv(dtype):
+def test_rope_store_equals_apply_rope_and_write_kv(dtype, rot, isa):
+    if cpu_attention.rope_avx512(isa == "avx512") != (isa == "avx512"):
+        pytest.skip("no AVX-512 here")
     g = torch.Generator().manual_seed(4)
     t, h, kvh, dh = 7, 9, 3, 64
-    qkv = torch.randn(t, (h + 2 * kvh) * dh, generator=g).to(dtype)
-    cos, sin = torch.randn(t, dh, generator=g).to(dtype), torch.randn(t, dh, generator=g).to(dtype)
+    wide = torch.randn(t, (h + 2 * kvh) * dh + 8, generator=g).to(dtype)
+    qkv = wide[:, :(h + 2 * kvh) * dh]                                          # rows strided, as a fused GEMM's
+    cos, sin = torch.randn(t, rot, generator=g).to(dtype), torch.randn(t, rot, generator=g).to(dtype)
     slots = torch.tensor([5, 9, 17, 18, 40, 41, 2])
     k1, v1 = torch.zeros(4, 16, kvh, dh, dtype=dtype), torch.zeros(4, 16, kvh, dh, dtype=dtype)
     k2, v2 = k1.clone(), v1.clone()
     q, k, v = qkv.split([h * dh, kvh * dh, kvh * dh], dim=-1)
     want_q = apply_rope(q.reshape(t, h, dh), cos, sin)
     write_kv(k1, v1, apply_rope(k.reshape(t, kvh, dh), cos, sin), v.reshape(t, kvh, dh), slots)
-    got = qkv.clone()
-    cpu_attention.rope_store(got, cos, sin, k2, v2, slots, h, kvh, dh)
+    got = wide.clone()
+    try:
+        cpu_attention.rope_store(got[:, :(h + 2 * kvh) * dh], cos, sin, k2, v2, slots, h, kvh, dh)
+    finally:
+        cpu_attention.rope_avx512(True)
     assert torch.equal(got[:, :h * dh].view(t, h, dh), want_q)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    assert torch.equal(got[:, (h + kvh) * dh:], qkv[:, (h + kvh) * dh:])      # v is read, never rotated
+    assert torch.equal(got[:, (h + kvh) * dh:], wide[:, (h + kvh) * dh:])     # v is read, never rotated
 
 
 def test_supports_refuses_what_it_cannot_compute():

@@ -216,3 +216,22 @@ def test_f32_silu_mul_matches_torch():
     assert got.shape == (7, 53)
     torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-37)        # the exps may differ in the last bit
     assert torch.equal(got.isnan(), want.isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_residual_adds_fused_into_the_norms_equal_the_adds_then_the_norms(dtype):
+    """A prompt chunk through the modules, each layer's residual adds done by the norm after them (in C where it
+    runs), against the adds and norms one by one."""
+    model = tiny_model(dtype=dtype)
+    kv_fused, kv_plain = caches(model, 1), caches(model, 1)
+    pos, meta = step([300], [200], {})
+    ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got = model(ids, pos, meta, kv_fused)
+        x = model.embed_tokens(ids)
+        cos, sin = model.rope_cos[pos].to(dtype), model.rope_sin[pos].to(dtype)
+        for layer, kv in zip(model.layers, kv_plain):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, meta, kv)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        want = model.norm(x)
+    assert torch.equal(got, want)

@@ -44,3 +44,33 @@ def test_autograd_and_other_dtypes_keep_the_torch_path():
     with torch.no_grad():
         assert rms_norm.supports(torch.randn(2, 8), w)
     assert not rms_norm.supports(torch.randn(2, 8).half(), torch.ones(8).half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,d", [(1, 576), (40, 576), (17, 1000), (3, 37)])
+def test_add_then_norm_in_one_pass_is_the_add_and_the_norm(dtype, t, d):
+    g = torch.Generator().manual_seed(t * d)
+    x, a = (torch.randn(t, d, generator=g) * 3).to(dtype), torch.randn(t, d, generator=g).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype)
+    s, y = rms_norm.add_rms_norm(x, a, w, 1e-5)
+    assert torch.equal(s, x + a)                                          # torch's add in the dtype, bit for bit
+    assert torch.equal(y, rms_norm.rms_norm(x + a, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx512_and_avx2_paths_give_the_same_bits(dtype):
+    if not rms_norm.use_avx512(True):
+        pytest.skip("no AVX-512 here: only the AVX2 path runs")
+    g = torch.Generator().manual_seed(3)
+    try:
+        for t, d in ((1, 576), (33, 576), (5, 1000), (2, 37), (1, 8)):
+            x, a = (torch.randn(t, d, generator=g) * 4).to(dtype), torch.randn(t, d, generator=g).to(dtype)
+            w = torch.randn(d, generator=g).to(dtype)
+            runs = []
+            for on in (True, False):
+                assert rms_norm.use_avx512(on) == on
+                runs.append((rms_norm.rms_norm(x, w, 1e-6), *rms_norm.add_rms_norm(x, a, w, 1e-6)))
+            for wide, narrow in zip(*runs):
+                assert torch.equal(wide, narrow), (t, d)
+    finally:
+        rms_norm.use_avx512(True)
