@@ -15,7 +15,6 @@ from torch import nn
 from shared.model.config import ModelConfig
 from shared.ops import cpu_attention, decoder_bf16, decoder_f32, rms_norm
 from shared.ops.attention import paged_attention
-from shared.ops.packed_linear import PackedLinear
 from shared.ops.paged_attention import AttentionMetadata, write_kv
 from shared.ops.rope import apply_rope, long_rope_after, rope_tables
 
