@@ -262,10 +262,12 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         finally:
             torch.set_num_threads(self.threads)
 
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, tok: int, grammar_ended: bool = True) -> str | None:
+        """Why the sequence ends at its token `tok`, or None. grammar_ended: whether the grammar's state is the one
+        after `tok` (false for a verification's tokens before its last: the grammar has already taken them all)."""
         p = seq.params
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or \
-                (seq.guide is not None and seq.guide.done):
+                (grammar_ended and seq.guide is not None and seq.guide.done):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"

@@ -106,10 +106,11 @@ class SpeculationMixin:
         if self.cfg.adaptive_speculation:                                # adaptive K (a tree's K is its depth)
             seq.spec_k = min(self._k_max(seq), seq.spec_k + 1) if n == depth else max(1, seq.spec_k - (n == 0))
         emitted = []
-        for t in draft[:n] + [tok]:
+        tokens = draft[:n] + ([] if tok is None else [tok])   # None: the grammar ended at the last accepted draft
+        for i, t in enumerate(tokens):
             seq.token_ids.append(t)
             emitted.append(t)
-            reason = self._finish_reason(seq, t)
+            reason = self._finish_reason(seq, t, grammar_ended=i == len(tokens) - 1)
             if reason:
                 break
         # a chain's row j predicts the token after j drafts: the raw rows of what was emitted (trees never carry
@@ -123,14 +124,16 @@ class SpeculationMixin:
             self.scheduler.finish(seq, reason)
         return self._delta(seq, emitted, lps)
 
-    def _verify_chain(self, seq: Sequence, logits: torch.Tensor, draft: list[int], q, base: int) -> tuple[int, int]:
+    def _verify_chain(self, seq: Sequence, logits: torch.Tensor, draft: list[int], q,
+                      base: int) -> tuple[int, int | None]:
         """A chain's verdict: (drafts accepted, the token after them), from its rows processed as plain decoding
-        would process them (penalties, bias, grammar)."""
+        would process them (penalties, bias, grammar); the token is None where the grammar ended at the last
+        accepted draft (its stop token), after which nothing may follow."""
         p = seq.params
         rows = logits if not p.processed else process(logits, p, seq.token_ids, seq.num_prompt_tokens,
                                                       list(range(base, base + len(logits))),
                                                       stop_ids(p, self.eos_token_ids))
-        advanced = 0
+        advanced, end = 0, None
         if seq.guide is not None:                 # each row masked in the state its drafts lead to
             rows = rows.float().clone() if rows is logits else rows
             for j in range(len(rows)):
@@ -138,6 +141,10 @@ class SpeculationMixin:
                 if j == len(draft) or not seq.guide.accept(draft[j]):
                     break                         # rows after a forbidden draft are never reached
                 advanced += 1
+                if seq.guide.done:                # draft j is the grammar's stop token: the chain ends there
+                    end = j + 1
+                    draft, rows, q = draft[:end], rows[:end + 1], None if q is None else q[:end]
+                    break
         if p.greedy:
             n, tok = verify_greedy(rows, draft)
         else:
@@ -145,6 +152,8 @@ class SpeculationMixin:
             probs = probs_from_logits(rows, torch.full((r,), p.temperature), torch.full((r,), p.top_k),
                                       torch.full((r,), p.top_p), torch.full((r,), p.min_p) if p.min_p else None)
             n, tok = verify_sampled(probs, q, draft, seq.generator)
+        if end is not None and n == end:
+            return n, None
         if seq.guide is not None:
             seq.guide.rollback(advanced - n)
             seq.guide.accept(tok)

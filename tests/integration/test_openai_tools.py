@@ -85,6 +85,34 @@ def test_auto_answers_with_content_or_valid_calls(oai):
         assert msg.content
 
 
+def test_auto_parses_the_models_own_hermes_calls_plain_and_streamed(oai):
+    """tool_choice auto: the answer is the model's own text, and the stack's parser (hermes, the default: the format
+    SmolLM2's template teaches) turns its <tool_call> blocks into calls. A regex makes the default model, which
+    rarely calls a tool, write text in that format, so the parser runs on what the model generated."""
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}", "unit": "celsius"\}\}' \
+           r'\n</tool_call>'
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+              extra_body={"structured_outputs": {"regex": f"{call}(\\n{call})?"}})
+    r = oai.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert [c.function.name for c in msg.tool_calls] in (["get_weather"], ["get_weather", "get_weather"])
+    check_calls(msg.tool_calls)
+    streamed: dict[int, dict] = {}
+    reasons, content = [], ""
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            reasons.append(ch.finish_reason)
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                got = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+                got["name"] += d.function.name or ""
+                got["arguments"] += d.function.arguments or ""
+    assert reasons[-1] == "tool_calls" and "<tool_call>" not in content
+    assert [(s["name"], json.loads(s["arguments"])) for s in streamed.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
+
+
 @pytest.mark.parametrize("kw, words", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),

@@ -119,3 +119,22 @@ def test_a_batch_of_different_grammars(engines, hf_model, hf_tokenizer, xgr_comp
         got = [o[0] for o in eng.generate(prompts, params)]
         for g, w in zip(got, want):
             assert w is None or g == w, name
+
+
+@pytest.mark.parametrize("text", ["Paris is lovely in the spring", "Paris is lovely"])
+def test_a_grammar_ending_inside_a_verification(engines, hf_tokenizer, text):
+    """n-gram drafts that reach the grammar's end, as the prompt has the text: the last draft before its stop token
+    (the stop token then follows the accepted drafts), or the stop token and more text after it (the verification
+    ends at the stop token instead of asking the finished grammar for another mask). The answer is the plain one,
+    whole."""
+    eos = hf_tokenizer.eos_token_id
+    words = hf_tokenizer.encode(text, add_special_tokens=False)
+    prompt = words + [eos] + hf_tokenizer.encode(" and the summer too, they say", add_special_tokens=False) + words
+    p = SamplingParams(temperature=0, max_tokens=20, guide_kind="regex", guide=text)
+    want = engines["plain"].generate([prompt], p)[0][0]
+    assert hf_tokenizer.decode(want, skip_special_tokens=True) == text
+    eng = engines["ngram"]
+    before = eng.stats_draft
+    assert eng.generate([prompt], p)[0][0] == want
+    assert eng.stats_draft > before
+    assert eng.block_manager.num_used_blocks == 0
