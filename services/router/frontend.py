@@ -141,8 +141,9 @@ class Frontend:
                                 prompt_logprobs=inp.prompt_logprobs, tenant=caller.name)
         vocab = self.info.vocab_size
         for name, toks in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            if toks and max(toks) >= vocab:
-                raise InvalidRequest(f"{name} names token {max(toks)}, outside the vocabulary [0, {vocab})")
+            bad = [t for t in toks if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(f"{name} names token {bad[0]}, outside the vocabulary [0, {vocab})")
         return ids, params
 
     async def stream(self, inp: GenerationInput, timeout: float | None = None,

@@ -121,6 +121,7 @@ def post(stack, body: dict) -> tuple[int, dict]:
     ({"logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"min_tokens": 9}, 400, "min_tokens"),
     ({"stop_token_ids": [10**7]}, 400, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, 200, ""),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, 400, "add_generation_prompt"),
