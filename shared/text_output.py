@@ -23,10 +23,12 @@ class ChoiceText:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    include_stop: bool = False             # a stop string that ends the text stays in it
+    skip_special: bool = True              # special tokens left out of the text
 
     def __post_init__(self) -> None:
-        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
-        self._stop = StopChecker(self.stop)
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.skip_special)
+        self._stop = StopChecker(self.stop, self.include_stop)
 
     def push(self, token_ids: list[int], finish_reason: str | None) -> TextDelta:
         if self.finish_reason is not None:          # already ended by a stop string; ignore late tokens

@@ -153,10 +153,11 @@ class Tokenizer:
             return list(self._fallback.hf.encode(text, add_special_tokens=False))
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._tok is None:
-            return self._fallback.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+            return self._fallback.hf.decode(ids, skip_special_tokens=skip_special_tokens,
+                                            clean_up_tokenization_spaces=False)
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         if self._tok is None:

@@ -237,7 +237,8 @@ class Frontend:
                          inp: GenerationInput, timeout: float | None) -> AsyncIterator[StreamChunk]:
         self.load[target.address] += 1
         request_id = uuid.uuid4().hex
-        choices = [ChoiceText(self.tok, inp.stop, ids) for _ in range(params.n)]
+        choices = [ChoiceText(self.tok, inp.stop, ids, include_stop=inp.include_stop_str_in_output,
+                              skip_special=inp.skip_special_tokens) for _ in range(params.n)]
         t0 = last = time.perf_counter()
         first = None                                     # when the first token arrived
         cached = 0

@@ -31,6 +31,8 @@ class GenerationInput:
     seed: int | None = None
     n: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False    # a stop string that ends a choice stays in its text
+    skip_special_tokens: bool = True            # special tokens left out of the text
     ignore_eos: bool = False
     cache_salt: str = ""
     beam_width: int | None = None

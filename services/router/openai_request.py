@@ -3,9 +3,10 @@
 A field OpenAI defines that changes nothing in the output (`user`, `metadata`, `store`, `service_tier`) is accepted;
 one this server lacks is accepted only at the value that asks for nothing; any other name is refused with 400 and
 named, as OpenAI refuses an unknown argument. Extensions (vLLM's names): `top_k` (-1 or 0 = no limit), `min_p`,
-`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `cache_salt`, and structured output as
-`structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) or the older `guided_json`,
-`guided_regex`, `guided_choice`, `guided_grammar`, besides OpenAI's `response_format`.
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+`skip_special_tokens`, `cache_salt`, and structured output as `structured_outputs` ({"json" | "regex" | "choice" |
+"grammar" | "json_object": ...}) or the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
+besides OpenAI's `response_format`.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ Code = grpc.StatusCode
 _NO_OP: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
     "function_call": (None, "none"),
-    "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
     "spaces_between_special_tokens": (None, True),
 }
 # Fields of OpenAI's API that change nothing in the output: accepted and unused.
@@ -61,6 +61,8 @@ class GenerationRequest(Body):
     top_k: int | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     cache_salt: str = ""
     user: str | None = None               # accepted, unused
     presence_penalty: float | None = None
@@ -192,6 +194,8 @@ def generation_input(req: GenerationRequest, vocab_size: int) -> GenerationInput
         top_k = 0                                                 # no limit, as -1 means in vLLM
     inp = GenerationInput(temperature=temperature, top_p=req.top_p, top_k=top_k, seed=req.seed, n=req.n,
                           stop=_stop(req.stop), ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          skip_special_tokens=req.skip_special_tokens,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty, min_p=req.min_p,
                           logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,

@@ -18,6 +18,8 @@ def input_from_pb(req: generation_pb2.GenerateRequest) -> GenerationInput:
     return GenerationInput(prompt=req.prompt, messages=[{"role": m.role, "content": m.content} for m in req.messages],
                            max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
                            top_k=opt("top_k"), seed=opt("seed"), n=opt("n"), stop=list(req.stop),
+                           include_stop_str_in_output=req.include_stop_str_in_output,
+                           skip_special_tokens=True if opt("skip_special_tokens") is None else req.skip_special_tokens,
                            ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
                            beam_width=opt("beam_width"), num_speculative_tokens=opt("num_speculative_tokens"),
                            presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),

@@ -101,6 +101,26 @@ def test_min_tokens_and_stop_token_ids(oai, hf_model, hf_tokenizer, prompt_ids):
     assert r.choices[0].message.content == hf_tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_stop_string_kept_and_special_tokens_written_where_asked(oai, hf_model, hf_tokenizer, prompt_ids):
+    """include_stop_str_in_output keeps the stop string that ended the text; skip_special_tokens false writes the
+    end-of-turn token of a short answer (ignore_eos goes on past it)."""
+    text = chat(oai, max_tokens=12).choices[0].message.content
+    stop = text.split()[2]
+    for include in (False, True):
+        r = chat(oai, max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": include}).choices[0]
+        assert r.finish_reason == "stop"
+        assert r.message.content == text[:text.index(stop) + (len(stop) if include else 0)]
+    short = [{"role": "user", "content": "What is 2 + 2? Answer with a number only."}]
+    ids = hf_tokenizer.apply_chat_template(short, add_generation_prompt=True, tokenize=True)
+    want = reference(hf_model, list(ids["input_ids"] if hasattr(ids, "keys") else ids), 12)
+    assert hf_tokenizer.eos_token_id in want[:-2]                   # the answer ends, and more tokens follow
+    for skip in (True, False):
+        r = oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=short, temperature=0, max_tokens=12,
+                                        extra_body={"ignore_eos": True, "skip_special_tokens": skip}).choices[0]
+        assert r.message.content == hf_tokenizer.decode(want, skip_special_tokens=skip)
+        assert (hf_tokenizer.eos_token in r.message.content) is (not skip)
+
+
 def post(stack, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/v1/chat/completions",
                                  data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})

@@ -53,3 +53,26 @@ def test_choice_text_reports_stop_and_ignores_later_tokens(tok):
             break
     assert "".join(texts) == "one, two, "
     assert c.push([5], None).text == ""
+
+
+def test_the_stop_string_kept_where_asked_the_first_listed_at_the_earliest_place():
+    for include, want in ((False, "abc "), (True, "abc STOP")):
+        s = StopChecker(["STOP", "\n\n"], include)
+        out = []
+        for piece in ["abc S", "TO", "P tail"]:
+            text, hit = s.push(piece)
+            out.append(text)
+            if hit:
+                break
+        assert hit and "".join(out) == want
+    assert StopChecker(["STOP", "ST", "c"], True).push("ab STOP c") == ("ab STOP", True)
+    assert StopChecker(["ST", "STOP"], True).push("ab STOP c") == ("ab ST", True)
+
+
+def test_special_tokens_written_where_asked(tok, model_path):
+    ids = tok.encode("Hi there") + [tok.eos_token_id] + tok.encode(" more")
+    for skip in (True, False):
+        c = ChoiceText(tok, [], [], skip_special=skip)
+        text = "".join(c.push([i], None).text for i in ids) + c.push([], "stop").text
+        assert text == tok.decode(ids, skip_special_tokens=skip)
+        assert ("<|im_end|>" in text) is (not skip)
