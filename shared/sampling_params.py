@@ -31,6 +31,7 @@ class SamplingParams:
     min_p: float = 0.0                # [0, 1]: drop tokens below min_p times the most likely one's probability
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0               # EOS and stop_token_ids are masked until the output has this many tokens
+    bad_words: list[list[int]] = field(default_factory=list)   # token sequences never completed in the output
     logprobs: int | None = None       # per token: the chosen one's log-probability and the top N (0 to 20)
     prompt_logprobs: int | None = None   # each prompt token's log-probability (after the first) and the top N
     # structured output (shared/engine/structured.py): "json_schema" (guide: the schema as JSON), "json_object",
@@ -74,6 +75,10 @@ class SamplingParams:
                 raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
             if not -100 <= bias <= 100:
                 raise InvalidRequest(f"logit_bias values must be between -100 and 100, got {bias} for token {tok}")
+        if len(self.bad_words) > 256 or any(not 0 < len(w) <= 64 for w in self.bad_words):
+            raise InvalidRequest("bad_words may hold at most 256 words of 1 to 64 tokens each")
+        if any(not (isinstance(t, int) and t >= 0) for w in self.bad_words for t in w):
+            raise InvalidRequest("bad_words must be token ids (integers >= 0)")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
                                  f"got {self.min_tokens}")
@@ -82,8 +87,8 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be between 0 and 20, got {getattr(self, name)}")
         if self.beam_width > 1 and (self.processed or self.logprobs is not None or self.guide_kind
                                     or self.prompt_logprobs is not None):
-            raise InvalidRequest("beam search takes no penalties, logit_bias, min_tokens, logprobs or structured "
-                                 "output")
+            raise InvalidRequest("beam search takes no penalties, logit_bias, min_tokens, bad_words, logprobs or "
+                                 "structured output")
         self._check_guide()
 
     def _check_guide(self) -> None:
@@ -104,9 +109,9 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether the logits are changed before sampling (penalties, logit_bias, min_tokens)."""
+        """Whether the logits are changed before sampling (penalties, logit_bias, min_tokens, bad_words)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.bad_words)
 
     @property
     def greedy(self) -> bool:

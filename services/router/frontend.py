@@ -137,6 +137,7 @@ class Frontend:
                                 repetition_penalty=1.0 if inp.repetition_penalty is None else inp.repetition_penalty,
                                 min_p=inp.min_p or 0.0, logit_bias=dict(inp.logit_bias),
                                 min_tokens=inp.min_tokens or 0, stop_token_ids=list(inp.stop_token_ids),
+                                bad_words=self._bad_words(inp.bad_words),
                                 logprobs=inp.logprobs, guide_kind=inp.guide_kind, guide=inp.guide,
                                 prompt_logprobs=inp.prompt_logprobs, tenant=caller.name)
         vocab = self.info.vocab_size
@@ -145,6 +146,20 @@ class Frontend:
             if bad:
                 raise InvalidRequest(f"{name} names token {bad[0]}, outside the vocabulary [0, {vocab})")
         return ids, params
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """vLLM's reading of bad_words: each word's tokens as written at the start of a text and, where a leading
+        space makes other tokens of the same count (a word of its own mid-sentence), those too."""
+        if len(words) > 128 or any(not isinstance(w, str) or not w.strip() or len(w) > 200 for w in words):
+            raise InvalidRequest("bad_words takes at most 128 non-empty words of at most 200 characters")
+        out: list[list[int]] = []
+        for w in words:
+            bare = self.tok.encode(w.lstrip())
+            spaced = self.tok.encode(" " + w.lstrip())
+            out.append(bare)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                out.append(spaced)
+        return out
 
     async def stream(self, inp: GenerationInput, timeout: float | None = None,
                      caller: Caller | None = None) -> AsyncIterator[StreamChunk]:

@@ -44,6 +44,7 @@ class GenerationInput:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
     logprobs: int | None = None              # top N per token (0: the chosen token's only); None: none
     prompt_logprobs: int | None = None       # the prompt's log-probabilities (echo with logprobs), top N
     guide_kind: str = ""                     # structured output (shared.sampling_params.SamplingParams)

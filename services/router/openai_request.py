@@ -72,6 +72,7 @@ class GenerationRequest(Body):
     logit_bias: dict[str, float] | None = None    # token id (as a string) -> bias in [-100, 100]
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     response_format: dict[str, Any] | None = None     # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict[str, Any] | None = None  # vLLM's: exactly one of json, regex, choice, grammar, json_object
     guided_json: Any = None
@@ -199,7 +200,7 @@ def generation_input(req: GenerationRequest, vocab_size: int) -> GenerationInput
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty, min_p=req.min_p,
                           logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
-                          stop_token_ids=list(req.stop_token_ids or []))
+                          stop_token_ids=list(req.stop_token_ids or []), bad_words=list(req.bad_words or []))
     inp.guide_kind, inp.guide = structured(req)
     if isinstance(req, ChatRequest):
         inp.messages = [message(i, m) for i, m in enumerate(req.messages)]

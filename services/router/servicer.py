@@ -25,7 +25,8 @@ def input_from_pb(req: generation_pb2.GenerateRequest) -> GenerationInput:
                            presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                            repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"),
                            logit_bias=dict(req.logit_bias), min_tokens=opt("min_tokens"),
-                           stop_token_ids=list(req.stop_token_ids), logprobs=opt("logprobs"),
+                           stop_token_ids=list(req.stop_token_ids), bad_words=list(req.bad_words),
+                           logprobs=opt("logprobs"),
                            guide_kind=req.guide_kind, guide=req.guide, prompt_logprobs=opt("prompt_logprobs"))
 
 

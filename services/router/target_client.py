@@ -118,7 +118,8 @@ def target_request(request_id: str, prompt: list[int], params: SamplingParams) -
                                            logit_bias=params.logit_bias, min_tokens=params.min_tokens,
                                            logprobs=params.logprobs, guide_kind=params.guide_kind,
                                            guide=params.guide, prompt_logprobs=params.prompt_logprobs,
-                                           tenant=params.tenant))
+                                           tenant=params.tenant,
+                                           bad_words=[target_pb2.TokenIds(ids=w) for w in params.bad_words]))
 
 
 def _logprobs(lps) -> list[Logprob]:

@@ -32,7 +32,7 @@ def params_from_pb(req: target_pb2.TargetGenerateRequest) -> SamplingParams:
                           min_p=s.min_p, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
                           logprobs=s.logprobs if s.HasField("logprobs") else None, guide_kind=s.guide_kind,
                           guide=s.guide, prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-                          tenant=s.tenant)
+                          tenant=s.tenant, bad_words=[list(w.ids) for w in s.bad_words])
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):

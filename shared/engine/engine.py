@@ -107,7 +107,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         vocab = self.model_cfg.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                          ("bad_words", [t for w in params.bad_words for t in w])):
             if ids and max(ids) >= vocab:
                 raise InvalidRequest(f"{name} names token {max(ids)}, outside the vocabulary [0, {vocab})")
         if len(prompt) >= self.max_model_len:

@@ -2,7 +2,8 @@
 
 vLLM's semantics and order: logit_bias and min_tokens first, then the penalties on those logits (repetition over
 the prompt's and the output's tokens, frequency and presence over the output's); temperature, min_p, top-k and
-top-p follow in shared.engine.sampler. Log-probabilities come from the raw logits, before any of this, as vLLM
+top-p follow in shared.engine.sampler. bad_words: a word's last token is masked where the output ends with the
+rest of the word (a one-token word: always). Log-probabilities come from the raw logits, before any of this, as vLLM
 returns them by default.
 
 A row is processed with the tokens before the position it predicts, so the K + 1 rows of a speculative
@@ -33,6 +34,11 @@ def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], 
         if short:
             out[torch.tensor(short, device=dev)[:, None], torch.tensor(sorted(stop_ids), device=dev)[None, :]] = \
                 float("-inf")
+    for word in params.bad_words:
+        *head, last = word
+        for r, end in enumerate(ends):
+            if not head or (end - num_prompt >= len(head) and token_ids[end - len(head):end] == head):
+                out[r, last] = float("-inf")
     rp, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
     if rp == 1.0 and not freq and not pres:
         return out

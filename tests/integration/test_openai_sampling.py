@@ -101,6 +101,20 @@ def test_min_tokens_and_stop_token_ids(oai, hf_model, hf_tokenizer, prompt_ids):
     assert r.choices[0].message.content == hf_tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_bad_words_equal_the_reference_loop(oai, hf_model, hf_tokenizer, prompt_ids):
+    """A word of the plain answer, given as bad_words: its tokens with and without a leading space are never
+    completed (vLLM's reading), as in the reference loop; the answer changes and no longer holds the word."""
+    plain = chat(oai, max_tokens=16).choices[0].message.content
+    word = next(w for w in plain.split() if w.isalpha() and len(w) > 3)
+    bad = [hf_tokenizer.encode(v, add_special_tokens=False) for v in (word, " " + word)]
+    r = chat(oai, max_tokens=16, extra_body={"bad_words": [word]})
+    want = reference(hf_model, prompt_ids, 16, bad=bad)
+    eos = hf_tokenizer.eos_token_id
+    want = want[:want.index(eos)] if eos in want else want
+    assert r.choices[0].message.content == hf_tokenizer.decode(want, skip_special_tokens=True) != plain
+    assert f" {word} " not in f" {r.choices[0].message.content} "
+
+
 def test_stop_string_kept_and_special_tokens_written_where_asked(oai, hf_model, hf_tokenizer, prompt_ids):
     """include_stop_str_in_output keeps the stop string that ended the text; skip_special_tokens false writes the
     end-of-turn token of a short answer (ignore_eos goes on past it)."""
@@ -142,6 +156,8 @@ def post(stack, body: dict) -> tuple[int, dict]:
     ({"min_tokens": 9}, 400, "min_tokens"),
     ({"stop_token_ids": [10**7]}, 400, "stop_token_ids"),
     ({"stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"bad_words": [" "]}, 400, "bad_words"),
+    ({"bad_words": "word"}, 400, "bad_words"),
     ({"guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, 200, ""),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, 400, "add_generation_prompt"),

@@ -1,5 +1,6 @@
-"""Penalties, logit_bias, min_tokens, stop_token_ids, min_p and log-probabilities against a reference greedy loop
-over transformers' logits written here (one token at a time, in float64), with and without speculation."""
+"""Penalties, logit_bias, min_tokens, stop_token_ids, bad_words, min_p and log-probabilities against a reference
+greedy loop over transformers' logits written here (one token at a time, in float64), with and without
+speculation."""
 from __future__ import annotations
 
 import pytest
@@ -43,7 +44,7 @@ def reference(hf, prompt: list[int], p: SamplingParams) -> list[int]:
     """The params' processing over transformers' logits, greedy; EOS and stop_token_ids end the output."""
     stops = ({EOS} if not p.ignore_eos else set()) | set(p.stop_token_ids)
     return processed_greedy(lambda ids: next_logits(hf, ids), prompt, p.max_tokens, p.logit_bias, p.presence_penalty,
-                            p.frequency_penalty, p.repetition_penalty, p.min_tokens, stops)
+                            p.frequency_penalty, p.repetition_penalty, p.min_tokens, stops, p.bad_words)
 
 
 CASES = {
@@ -76,6 +77,24 @@ def test_processing_equals_reference_loop(flat, hf, case: str, spec: str | None)
     assert got != plain                                     # the processing changed something
     if spec:
         assert eng.stats_draft > 0
+    assert eng.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "draft-model"])
+def test_bad_words_are_never_completed(flat, hf, spec: str | None) -> None:
+    """Token sequences of one, two and three tokens taken from each prompt's plain output: the output equals the
+    reference loop's and never holds one of them, plain and speculative."""
+    eng = build_engine(EngineConfig(model=flat, progress=False, num_kv_blocks=128, block_size=4,
+                                    speculative={None: None, "ngram": "ngram"}.get(spec, f"draft-model:{flat}"),
+                                    num_speculative_tokens=3))
+    for prompt in PROMPTS[:3]:
+        plain = first_tokens(hf, prompt, STEPS)
+        bad = [plain[2:3], plain[5:7], plain[9:12]]
+        p = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, bad_words=bad)
+        got = eng.generate([prompt], p)[0][0]
+        assert got == reference(hf, prompt, p) and got != plain
+        for w in bad:
+            assert not any(got[i:i + len(w)] == w for i in range(len(got)))
     assert eng.block_manager.num_used_blocks == 0
 
 
