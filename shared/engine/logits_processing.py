@@ -60,6 +60,20 @@ def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], 
     return out
 
 
+def process_tree(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int,
+                 tokens: list[int], parents: list[int], stop_ids: set[int]) -> torch.Tensor:
+    """A draft tree's rows [N + 1, V] (row 0 the root, row 1 + i node i; shared.tree) -> processed fp32 rows, each
+    with its own history: token_ids (the sequence before the tree) and the tokens on the path down to its node."""
+    paths: list[list[int]] = [[]]
+    for i, p in enumerate(parents):
+        paths.append(paths[p + 1] + [tokens[i]])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for r, path in enumerate(paths):
+        history = token_ids + path
+        out[r] = process(logits[r:r + 1], params, history, num_prompt, [len(history)], stop_ids)[0]
+    return out
+
+
 def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int) -> list[TokenLogprob]:
     """Raw logits [R, V] and the token taken at each row -> its log-probability, its rank (1 + the tokens more
     likely) and the `top` most likely."""

@@ -1,8 +1,9 @@
 """An EAGLE head in a draft service: the draft drives a Verify stream to a real target process, which sends the
 hidden states of accepted positions with each verdict (raw float32 bytes over real gRPC); the drafts (chains, or
 draft trees with their parent indices), acceptances and tokens are exactly those of the same head inside the
-target's engine. A request with a penalty, whose drafts the target verifies only as chains, gets chains from a
-head that drafts trees, in the service as in the target."""
+target's engine. A request with a penalty gets trees whose nodes the target processes each with its own path; one
+that asks for logprobs, whose drafts the target verifies only as chains, gets chains from a head that drafts trees,
+in the service as in the target."""
 from __future__ import annotations
 
 import signal
@@ -37,7 +38,7 @@ def tiny_with_head(tmp_path_factory):
     return str(path), str(path / "eagle")
 
 
-def in_process(tiny: str, head: str | None, tree: int = 0, penalty: float = 0.0
+def in_process(tiny: str, head: str | None, tree: int = 0, penalty: float = 0.0, logprobs: int | None = None
                ) -> list[tuple[list[int], int, int]]:
     """Per prompt, one at a time: (tokens, drafted, accepted)."""
     kw = dict(model=tiny, progress=False, num_kv_blocks=128, block_size=4, num_speculative_tokens=K,
@@ -46,17 +47,19 @@ def in_process(tiny: str, head: str | None, tree: int = 0, penalty: float = 0.0
     out = []
     for p in PROMPTS:
         d0, a0 = eng.stats_draft, eng.stats_accepted
-        params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, presence_penalty=penalty)
+        params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, presence_penalty=penalty,
+                                logprobs=logprobs)
         toks = eng.generate([p], params)[0][0]
         out.append((toks, eng.stats_draft - d0, eng.stats_accepted - a0))
     return out
 
 
-@pytest.mark.parametrize("tree,penalty", [(0, 0.0), (5, 0.0), (5, 0.5)])   # chains, trees of 5 nodes, and
-def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp_path, tree, penalty):  # chains
-    tiny, head = tiny_with_head                                  # for a penalty from a head that drafts trees
-    plain = [t for t, _, _ in in_process(tiny, None, penalty=penalty)]
-    local = in_process(tiny, head, tree, penalty)
+@pytest.mark.parametrize("tree,penalty,logprobs", [(0, 0.0, None), (5, 0.0, None), (5, 0.5, None), (5, 0.0, 0)])
+def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp_path, tree, penalty, logprobs):
+    """Chains; trees of 5 nodes, plain and with a penalty; chains from a head that drafts trees (logprobs)."""
+    tiny, head = tiny_with_head
+    plain = [t for t, _, _ in in_process(tiny, None, penalty=penalty, logprobs=logprobs)]
+    local = in_process(tiny, head, tree, penalty, logprobs)
     draft, target = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     log = open(tmp_path / "services.log", "w")
     procs = [spawn(["draft", "--address", draft, "--proposer", f"eagle:{head}", "--model", tiny, "--device", "cpu",
@@ -74,7 +77,8 @@ def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp
                 req = target_pb2.TargetGenerateRequest(request_id=f"e{i}", prompt_token_ids=p, n=1,
                                                        sampling=target_pb2.SamplingParams(max_tokens=TOKENS, top_p=1,
                                                                                           ignore_eos=True,
-                                                                                          presence_penalty=penalty))
+                                                                                          presence_penalty=penalty,
+                                                                                          logprobs=logprobs))
                 toks, drafted, accepted = [], 0, 0
                 for msg in stub.Generate(draft_pb2.DraftGenerateRequest(target=target, request=req), timeout=120):
                     for d in msg.deltas:
