@@ -102,14 +102,8 @@ def test_bad_words_are_never_completed(flat, hf, spec: str | None) -> None:
 @pytest.fixture(scope="module")
 def flat_head(flat, tmp_path_factory) -> str:
     """A random EAGLE head over the flat model (it drafts trees; what it proposes hardly matters here)."""
-    from shared.model.loader import load_config
-    from shared.spec.eagle import EagleHead, head_config_for
-    torch.manual_seed(2)
-    head = EagleHead(head_config_for(load_config(flat), 64))
-    head.id_map = torch.randperm(96)[:64].sort().values
-    path = tmp_path_factory.mktemp("flat-eagle")
-    head.save(str(path))
-    return str(path)
+    from shared.testing.tiny_llama import save_tiny_eagle
+    return save_tiny_eagle(flat, tmp_path_factory.mktemp("flat-eagle"))
 
 
 @pytest.mark.parametrize("case", ["presence", "repetition", "all", "bad_words", "min_tokens"])
