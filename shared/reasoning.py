@@ -22,6 +22,14 @@ def split(text: str, started: bool = False) -> tuple[str | None, str]:
     return reasoning.strip(), content.lstrip()
 
 
+def opens_thinking(prompt_tail: str) -> bool:
+    """Whether a rendered chat prompt (its last characters) ends inside thinking: a `<think>` with nothing but
+    blanks after it, as the templates of DeepSeek-R1 and of Qwen3's thinking-only models leave it, so the answer
+    begins with the reasoning and only closes the tag."""
+    _, tag, rest = prompt_tail.rpartition(OPEN)
+    return bool(tag) and not rest.strip()
+
+
 def _held(text: str) -> int:
     """How many trailing characters could be the start of a tag."""
     for tag in (CLOSE, OPEN):

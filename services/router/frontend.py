@@ -23,6 +23,7 @@ from services.router.target_client import TargetClient, TargetInfo
 from shared import metrics
 from shared.errors import Draining, InvalidRequest, Overloaded, PeerUnavailable
 from shared.kv.hashing import cache_extra, hash_chain
+from shared.reasoning import opens_thinking
 from shared.registry.base import PrefixRegistry, ReplicaId, ReplicaLoad
 from shared.sampling_params import SamplingParams
 from shared.text_output import ChoiceText
@@ -95,6 +96,8 @@ class Frontend:
                                  f"(its context window is {self.info.max_model_len} tokens)")
         ids = (self.tok.apply_chat_template(inp.messages, inp.tools, **inp.template_kwargs) if inp.messages
                else self.tok.encode(inp.prompt))
+        if inp.messages and self.cfg.reasoning_parser:
+            inp.thinking_open = opens_thinking(self.tok.decode(ids[-8:], skip_special_tokens=False))
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenisation")
         return ids

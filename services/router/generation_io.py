@@ -50,6 +50,7 @@ class GenerationInput:
     guide_kind: str = ""                     # structured output (shared.sampling_params.SamplingParams)
     guide: str = ""
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # extra variables for the chat template
+    thinking_open: bool = False              # set when rendered: the chat prompt ends inside <think> (reasoning)
 
 
 @dataclass(slots=True)

@@ -132,7 +132,7 @@ async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator
                     if stream.streams:
                         thought, text = "", c.text
                         if reply.reasoning:                    # the thinking apart, then the calls
-                            thought, text = splitters.setdefault(c.index, Splitter()).push(
+                            thought, text = splitters.setdefault(c.index, Splitter(reply.thinking_open)).push(
                                 text, final=bool(c.finish_reason))
                         d = reply.tool_stream_delta(c.index, stream, text, c.finish_reason)
                         if thought:
@@ -152,7 +152,8 @@ async def _events(reply: _Reply, n: int, first: StreamChunk, gen: AsyncGenerator
                 toks = None if c.logprobs is None else (*with_prompt(c, bool(reply.echo)), offsets[c.index])
                 offsets[c.index] += len(text)
                 if reply.chat and reply.reasoning:             # the thinking apart, a held-back tag aside
-                    r, t = splitters.setdefault(c.index, Splitter()).push(text, final=bool(c.finish_reason))
+                    splitter = splitters.setdefault(c.index, Splitter(reply.thinking_open))
+                    r, t = splitter.push(text, final=bool(c.finish_reason))
                     lp = reply.logprobs(*toks) if toks else None
                     yield _sse(reply.chunk([reply.reasoning_delta(c.index, r, t, c.finish_reason, lp)], None, usage))
                     continue
@@ -232,10 +233,13 @@ async def _serve(frontend: Frontend, request: Request, kind: type[GenerationRequ
         gens = [cast(AsyncGenerator[StreamChunk, None], frontend.stream(i, None, caller)) for i in inputs]
         gen = gens[0] if len(gens) == 1 else merge_prompts(gens, inputs[0].n or 1)
         if not req.stream:
-            answer = reply.whole(*await _unless_disconnected(request, _collect(gen, n, bool(reply.echo))))
+            collected = await _unless_disconnected(request, _collect(gen, n, bool(reply.echo)))
+            reply.thinking_open = inputs[0].thinking_open                 # known once the prompt was rendered
+            answer = reply.whole(*collected)
             metrics.REQUESTS.labels(method, "OK").inc()
             return JSONResponse(answer)
         first = await _unless_disconnected(request, anext(gen))    # errors up to here get an HTTP status
+        reply.thinking_open = inputs[0].thinking_open
     except _Disconnected:
         metrics.REQUESTS.labels(method, "CANCELLED").inc()
         return Response(status_code=499)                # nobody reads it; nginx's "client closed request"

@@ -41,6 +41,7 @@ class _Reply:
     tools: ToolChoice | None = None           # a chat request that may call tools (mode other than "none")
     echo: list[str] | None = None             # completions with echo: each choice's prompt text
     reasoning: bool = False                   # chat: <think>...</think> becomes reasoning_content
+    thinking_open: bool = False               # the prompt ended inside <think>: answers begin in the reasoning
     prompt_logprobs: bool = False             # vLLM's prompt_logprobs field in the answer
 
     def whole(self, texts: list[str], reasons: list[str | None], last: StreamChunk,
@@ -80,14 +81,14 @@ class _Reply:
         """A chat message with its reasoning apart (shared.reasoning), when this reply splits it."""
         if not self.reasoning or not message.get("content"):
             return message
-        reasoning, content = split_reasoning(message["content"])
+        reasoning, content = split_reasoning(message["content"], self.thinking_open)
         if reasoning is None:
             return message
         return {**message, "content": content, "reasoning_content": reasoning}
 
     def tool_message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """An assistant message with the calls the answer makes, and its finish reason ("tool_calls" then)."""
-        reasoning, text = split_reasoning(text) if self.reasoning else (None, text)
+        reasoning, text = split_reasoning(text, self.thinking_open) if self.reasoning else (None, text)
         content, calls = self.tools.calls(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from shared.reasoning import Splitter, split
+from shared.reasoning import Splitter, opens_thinking, split
 
 CASES = [("<think>\nhmm, 2 + 2\n</think>\n\nFour.", ("hmm, 2 + 2", "Four.")),
          ("Just an answer.", (None, "Just an answer.")),
@@ -21,6 +21,9 @@ def test_split(text, want):
 
 def test_a_prompt_that_ends_inside_the_thinking():
     assert split("mm</think>Yes.", started=True) == ("mm", "Yes.")
+    assert opens_thinking("<|im_start|>assistant\n<think>\n") and opens_thinking("assistant <think>")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not opens_thinking("<think>a</think> b <think> c") and not opens_thinking("<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("text, want", CASES)
