@@ -57,6 +57,7 @@ from bench.bench_generate import free_port  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
 
 PROMPTS = list(WORKLOADS["chat"])          # the workload's prompts (--workload)
+PRESENCE_PENALTY = 0.0                     # the stack's requests' (--presence-penalty)
 
 
 def make_run_args() -> list[str]:
@@ -148,6 +149,8 @@ class ServeStack:
         # each side its own cache partition: alternating sides must not find each other's prompts cached
         req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=prompt)], max_tokens=tokens,
                                  temperature=0, ignore_eos=True, cache_salt=f"bench-k{k}")
+        if PRESENCE_PENALTY:
+            req.presence_penalty = PRESENCE_PENALTY
         if k is not None:
             req.num_speculative_tokens = k
         t0, ttft, n = time.perf_counter(), None, 0
@@ -384,6 +387,9 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="chat",
                     help="chat: four short questions; grounded: four edits of a given ~300-token text, whose "
                          "answers copy the prompt (bench/workloads.py)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0,
+                    help="the stack's requests (plain and default) carry this presence penalty, so speculation is "
+                         "verified under logits processing; peers are run without it (use without them)")
     ap.add_argument("--weights", nargs="*", default=[], help="stacks beside the default one: dequantised (or "
                     "bf16: the GGUF dequantised to the stack's dtype at load; plain and default requests), int8 "
                     "(the default stack with --int8-activations), nvfp4:DIR (an NVFP4 checkpoint) and "
@@ -393,6 +399,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-model", default=None, help="GGUF file for llama.cpp (default: the default model)")
     a = ap.parse_args()
     PROMPTS[:] = WORKLOADS[a.workload]
+    global PRESENCE_PENALTY
+    PRESENCE_PENALTY = a.presence_penalty
     if a.vllm_python and not a.vllm_model:
         ap.error("--vllm-python needs --vllm-model (a Hugging Face folder of the same weights)")
 

@@ -29,21 +29,12 @@ def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], 
                         stop_ids)
 
 
-def process_tree(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int,
-                 tokens: list[int], parents: list[int], stop_ids: set[int]) -> torch.Tensor:
-    """A draft tree's rows [N + 1, V] (row 0 the root, row 1 + i node i; shared.tree) -> processed fp32 rows, each
-    with its own history: token_ids (the sequence before the tree) and the tokens on the path down to its node."""
-    paths: list[list[int]] = [[]]
-    for i, p in enumerate(parents):
-        paths.append(paths[p + 1] + [tokens[i]])
-    return process_rows(logits, params, token_ids, num_prompt, paths, stop_ids)
-
-
 def process_rows(logits: torch.Tensor, params: SamplingParams, base: list[int], num_prompt: int,
                  extra: list[list[int]], stop_ids: set[int]) -> torch.Tensor:
     """logits [R, V] -> a processed fp32 copy [R, V], row r predicting the token after base + extra[r] (base holds
-    the prompt, its first num_prompt tokens). Every row's arithmetic is the same elementwise operations, whatever
-    the other rows: a verification row is processed as the decode row it stands for."""
+    the prompt, its first num_prompt tokens; extra[r]: a chain's drafts before row r). Every row's arithmetic is the
+    same elementwise operations, whatever the other rows: a verification row is processed as the decode row it
+    stands for."""
     out = logits.float().clone()                                                # [R, V]
     v, dev = out.shape[-1], out.device
     if params.logit_bias:

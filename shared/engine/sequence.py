@@ -72,11 +72,12 @@ class Sequence:
         return child
 
     def drafts_trees(self) -> bool:
-        """Whether a draft tree can be verified for this sequence: trees are verified greedily, each node's row
-        processed with its own path (penalties, bias, bad words), so a sampled request, or one with logprobs or
-        structured output, is drafted chains."""
+        """Whether a draft tree can be verified for this sequence: trees are verified greedily and plainly, so a
+        sampled request, or one with logits processing, logprobs or structured output, is drafted chains (trees
+        with each node processed along its own path measured slower than chains: docs/negative-results.md)."""
         p = self.params
-        return p.greedy and p.logprobs is None and self.guide is None and not self.chain_only
+        return (p.greedy and not p.processed and p.logprobs is None and self.guide is None
+                and not self.chain_only)
 
     def drop_speculation(self) -> None:
         """Forgets unverified draft tokens (when the step cannot verify them: preemption, token budget)."""

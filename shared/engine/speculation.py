@@ -7,7 +7,7 @@ import torch
 
 from shared import telemetry
 from shared.engine.delta import Delta
-from shared.engine.logits_processing import process, process_tree, stop_ids, token_logprobs
+from shared.engine.logits_processing import process, stop_ids, token_logprobs
 from shared.engine.rejection import verify_greedy, verify_sampled
 from shared.engine.sampler import probs_from_logits
 from shared.engine.sequence import Sequence
@@ -86,10 +86,7 @@ class SpeculationMixin:
         base = len(seq) - len(draft)                  # tokens before the drafts
         depth = len(draft)
         if parents is not None:                       # a tree: accept a path, move its KV next to the root
-            p = seq.params                            # each node's row processed with its own path's tokens
-            rows = logits if not p.processed else process_tree(logits, p, seq.token_ids[:base], seq.num_prompt_tokens,
-                                                                draft, parents, stop_ids(p, self.eos_token_ids))
-            path, tok = walk_greedy(rows, draft, parents)
+            path, tok = walk_greedy(logits, draft, parents)
             self.runner.move_kv(seq.block_table, [(base - 1 + a, base - 1 + b) for a, b in compaction(path)])
             self.tree_paths[seq.seq_id] = path
             n, depth = len(path), max(depths(parents))

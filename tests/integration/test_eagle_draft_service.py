@@ -1,9 +1,8 @@
 """An EAGLE head in a draft service: the draft drives a Verify stream to a real target process, which sends the
 hidden states of accepted positions with each verdict (raw float32 bytes over real gRPC); the drafts (chains, or
 draft trees with their parent indices), acceptances and tokens are exactly those of the same head inside the
-target's engine. A request with a penalty gets trees whose nodes the target processes each with its own path; one
-that asks for logprobs, whose drafts the target verifies only as chains, gets chains from a head that drafts trees,
-in the service as in the target."""
+target's engine. A request with a penalty or with logprobs, whose drafts the target verifies only as chains, gets
+chains from a head that drafts trees, in the service as in the target."""
 from __future__ import annotations
 
 import signal
@@ -56,7 +55,7 @@ def in_process(tiny: str, head: str | None, tree: int = 0, penalty: float = 0.0,
 
 @pytest.mark.parametrize("tree,penalty,logprobs", [(0, 0.0, None), (5, 0.0, None), (5, 0.5, None), (5, 0.0, 0)])
 def test_eagle_in_a_draft_service_equals_eagle_in_the_target(tiny_with_head, tmp_path, tree, penalty, logprobs):
-    """Chains; trees of 5 nodes, plain and with a penalty; chains from a head that drafts trees (logprobs)."""
+    """Chains; trees of 5 nodes; chains from a head that drafts trees (a penalty; logprobs)."""
     tiny, head = tiny_with_head
     plain = [t for t, _, _ in in_process(tiny, None, penalty=penalty, logprobs=logprobs)]
     local = in_process(tiny, head, tree, penalty, logprobs)

@@ -11,7 +11,6 @@ from shared.sampling_params import SamplingParams
 from shared.spec.factory import build_engine
 from shared.testing.reference_sampling import processed_greedy
 from shared.testing.tiny_llama import PROMPTS
-from shared.tree import is_chain
 
 EOS = 95                                                    # the tiny model's
 STEPS = 24
@@ -96,36 +95,6 @@ def test_bad_words_are_never_completed(flat, hf, spec: str | None) -> None:
         assert got == reference(hf, prompt, p) and got != plain
         for w in bad:
             assert not any(got[i:i + len(w)] == w for i in range(len(got)))
-    assert eng.block_manager.num_used_blocks == 0
-
-
-@pytest.fixture(scope="module")
-def flat_head(flat, tmp_path_factory) -> str:
-    """A random EAGLE head over the flat model (it drafts trees; what it proposes hardly matters here)."""
-    from shared.testing.tiny_llama import save_tiny_eagle
-    return save_tiny_eagle(flat, tmp_path_factory.mktemp("flat-eagle"))
-
-
-@pytest.mark.parametrize("case", ["presence", "repetition", "all", "bad_words", "min_tokens"])
-def test_draft_trees_verified_with_each_nodes_own_path(flat, hf, flat_head, case, monkeypatch) -> None:
-    """EAGLE draft trees for requests with logits processing: every node's row is processed with the tokens on
-    its own path, so greedy output equals the reference loop's, and trees (not chains) were verified."""
-    import shared.engine.speculation as speculation
-    trees = []
-    walk = speculation.walk_greedy
-    monkeypatch.setattr(speculation, "walk_greedy", lambda rows, tokens, parents: trees.append(parents) or
-                        walk(rows, tokens, parents))
-    eng = build_engine(EngineConfig(model=flat, progress=False, num_kv_blocks=128, block_size=4,
-                                    speculative=f"eagle:{flat_head}", num_speculative_tokens=3, draft_tree_nodes=6,
-                                    draft_confidence=0.0, draft_tree_ngram=2))
-    for prompt in PROMPTS[:3]:
-        plain = first_tokens(hf, prompt, STEPS)
-        kw = {"bad_words": dict(bad_words=[plain[2:3], plain[5:7]], ignore_eos=True),
-              "min_tokens": dict(min_tokens=10, stop_token_ids=[plain[2]])}.get(case, dict(ignore_eos=True,
-                                                                                           **CASES.get(case, {})))
-        p = SamplingParams(temperature=0, max_tokens=STEPS, **kw)
-        assert eng.generate([prompt], p)[0][0] == reference(hf, prompt, p)
-    assert trees and not all(is_chain(t) for t in trees)
     assert eng.block_manager.num_used_blocks == 0
 
 
