@@ -213,13 +213,14 @@ def anonymous_prefix_cache() -> Any:
                             "request its own partition: no reuse across requests, nothing to learn)")
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 def tool_call_parser() -> Any:
     return option("hermes", "router: the format of tool calls in a chat answer with tool_choice auto, as the model's "
                             "template teaches it (vLLM's names): hermes (<tool_call> blocks: Qwen, SmolLM, Hermes), "
-                            "llama3_json (a JSON object per call: Llama 3.1+), mistral ([TOOL_CALLS])")
+                            "llama3_json (a JSON object per call: Llama 3.1+), mistral ([TOOL_CALLS]), pythonic "
+                            "([name(key=value), ...]: Gemma 3, Llama 3.2 / 4 pythonic templates)")
 
 
 def hf_overrides() -> Any:

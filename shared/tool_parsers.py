@@ -10,9 +10,13 @@ content only. The names are vLLM's `--tool-call-parser` names:
                  optionally after <|python_tag|> (Llama 3.1 / 3.2 / 3.3 JSON tool calling)
     mistral      [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}} (v3 tokenizers), or
                  [TOOL_CALLS]name[ARGS]{...} once per call (v11 and later)
+    pythonic     the answer is a Python list of calls with keyword arguments of literal values,
+                 [name(key=value, ...), ...], optionally between <|python_start|> and <|python_end|> (Gemma 3,
+                 Llama 3.2 and Llama 4 pythonic templates); read with `ast`, never evaluated
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -34,6 +38,7 @@ class ToolCall:
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 MISTRAL_TAG = "[TOOL_CALLS]"
 _MISTRAL_ARGS = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]", re.DOTALL)
 
@@ -112,5 +117,27 @@ def mistral(text: str) -> tuple[str | None, list[ToolCall]]:
     return (content, calls) if calls else (text, [])
 
 
+def pythonic(text: str) -> tuple[str | None, list[ToolCall]]:
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START):].removesuffix(PYTHON_END).strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(k.arg for k in node.keywords)):
+                return text, []
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(ToolCall(node.func.id, json.dumps(args)))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return text, []                             # not a list of calls with literal arguments: content
+    return None, calls
+
+
 PARSERS: dict[str, Callable[[str], tuple[str | None, list[ToolCall]]]] = {
-    "hermes": hermes, "llama3_json": llama3_json, "mistral": mistral}
+    "hermes": hermes, "llama3_json": llama3_json, "mistral": mistral, "pythonic": pythonic}

@@ -35,6 +35,12 @@ def parsed(parser: str, text: str) -> tuple[str | None, list[tuple[str, object]]
      [("weather", WEATHER), ("time", TIME)]),
     ("mistral", 'Sure.[TOOL_CALLS]weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]time[ARGS]'
                 '{"zone": "Europe/Paris"}', "Sure.", [("weather", WEATHER), ("time", TIME)]),
+    ("pythonic", '[weather(city="Paris", unit="celsius"), time(zone="Europe/Paris")]', None,
+     [("weather", WEATHER), ("time", TIME)]),
+    ("pythonic", '<|python_start|>[weather(city="Paris", unit="celsius")]<|python_end|>', None,
+     [("weather", WEATHER)]),
+    ("pythonic", '[search(query="x", limit=3, exact=True, tags=["a", None], at={"k": 1.5})]', None,
+     [("search", {"query": "x", "limit": 3, "exact": True, "tags": ["a", None], "at": {"k": 1.5}})]),
 ])
 def test_calls_and_content_in_each_format(parser, text, content, calls):
     assert parsed(parser, text) == (content, calls)
@@ -48,6 +54,13 @@ def test_calls_and_content_in_each_format(parser, text, content, calls):
     ("llama3_json", '{"name": "weather", "parameters": {}} and then some words'),
     ("mistral", "It is sunny in Paris."),
     ("mistral", "[TOOL_CALLS] [{broken"),
+    ("pythonic", "It is sunny in Paris."),
+    ("pythonic", "[1, 2, 3]"),                                              # a list, but not of calls
+    ("pythonic", '[weather("Paris")]'),                                     # positional arguments
+    ("pythonic", "[weather(city=__import__('os').getcwd())]"),              # not a literal: never run
+    ("pythonic", "[weather(**opts)]"),
+    ("pythonic", "[" * 5000 + "]" * 5000),
+    ("pythonic", "[weather(city='Paris')] and then some words"),
 ])
 def test_answers_without_a_well_formed_call_are_content(parser, text):
     assert parsed(parser, text) == (text, [])
@@ -69,4 +82,4 @@ def test_the_flag_reaches_the_router_and_a_wrong_name_is_refused():
     assert cmd[cmd.index("--tool-call-parser") + 1] == "llama3_json"
     for cfg in (RouterConfig, ServeConfig):
         with pytest.raises(ValueError, match="tool_call_parser"):
-            cfg(tool_call_parser="pythonic")
+            cfg(tool_call_parser="gemma7")
