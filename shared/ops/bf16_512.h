@@ -13,6 +13,17 @@ static inline int upesi_avx512(void) {
            __builtin_cpu_supports("avx512vl");
 }
 
+// A kernel's choice of its AVX-512 path: *state is -1 until decided, then 1 (AVX-512) or 0 (AVX2).
+static inline int avx512_choose(int *state, int on) {
+    *state = on && upesi_avx512();
+    return *state;
+}
+
+static inline int avx512_chosen(int *state) {
+    if (*state < 0) *state = upesi_avx512();
+    return *state;
+}
+
 static inline __mmask16 mask16(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }

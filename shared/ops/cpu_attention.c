@@ -29,15 +29,7 @@
 static int rope_avx512 = -1;           // RoPE's AVX-512 path; -1: where the CPU has it
 
 // Chooses RoPE's path: 1 AVX-512 where the CPU has it, 0 AVX2 (the same bits); returns whether AVX-512 runs.
-int upesi_rope_avx512(int on) {
-    rope_avx512 = on && upesi_avx512();
-    return rope_avx512;
-}
-
-static int rope_avx512_on(void) {
-    if (rope_avx512 < 0) rope_avx512 = upesi_avx512();
-    return rope_avx512;
-}
+int upesi_rope_avx512(int on) { return avx512_choose(&rope_avx512, on); }
 
 #define PREFETCH 16           // rows of K and V read ahead (about a DRAM latency of work at 64 dims)
 
@@ -122,7 +114,7 @@ UPESI_AVX512 static void rope_store_row_512(char *row, const void *cos, const vo
 
 void upesi_rope_store(void *qkv, int64_t t, int64_t row_stride, int h, int kvh, int dh, int rot, const void *cos,
                       const void *sin, void *k_cache, void *v_cache, const int64_t *slots, int bf16) {
-    if (rot % 32 == 0 && rope_avx512_on()) {
+    if (rot % 32 == 0 && avx512_chosen(&rope_avx512)) {
         int64_t e = bf16 ? 2 : 4;
         #pragma omp parallel for schedule(static) if (t > 1)
         for (int64_t r = 0; r < t; r++)

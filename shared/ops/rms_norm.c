@@ -16,15 +16,7 @@
 static int use_avx512 = -1;            // -1: where the CPU has it
 
 // Chooses the path: 1 AVX-512 where the CPU has it, 0 AVX2; returns whether AVX-512 runs.
-int upesi_rms_norm_avx512(int on) {
-    use_avx512 = on && upesi_avx512();
-    return use_avx512;
-}
-
-static int avx512_on(void) {
-    if (use_avx512 < 0) use_avx512 = upesi_avx512();
-    return use_avx512;
-}
+int upesi_rms_norm_avx512(int on) { return avx512_choose(&use_avx512, on); }
 
 // One row on AVX2: x [D] (and a [D], the residual, with s [D] its sum out, or a = 0) -> y [D].
 static void norm_row_avx2(const void *x, const void *a, void *s, int64_t d, const void *w, float eps, void *y,
@@ -116,7 +108,7 @@ UPESI_AVX512 static void norm_row_512(const void *x, const void *a, void *s, int
 
 static void norm_rows(const void *x, int64_t ldx, const void *a, void *s, int64_t t, int64_t d, const void *w,
                       float eps, void *y, int bf16) {
-    int64_t e = bf16 ? 2 : 4, wide = avx512_on();
+    int64_t e = bf16 ? 2 : 4, wide = avx512_chosen(&use_avx512);
     #pragma omp parallel for schedule(static) if (t > 16)
     for (int64_t r = 0; r < t; r++) {
         const char *xr = (const char *)x + r * ldx * e;

@@ -23,15 +23,17 @@ def test_incremental_equals_whole_and_never_broken(tok, text):
     assert "".join(pieces) == tok.decode(ids) == text
 
 
-def test_stop_checker_spans_pushes():
-    s = StopChecker(["STOP", "\n\n"])
+@pytest.mark.parametrize("include, want", [(False, "abc "), (True, "abc STOP")])
+def test_stop_checker_spans_pushes(include, want):
+    """Found across pushes; the stop string itself left out, or kept where asked (include_stop_str_in_output)."""
+    s = StopChecker(["STOP", "\n\n"], include)
     out = []
     for piece in ["abc S", "TO", "P tail"]:
         text, hit = s.push(piece)
         out.append(text)
         if hit:
             break
-    assert "".join(out) == "abc " and hit
+    assert "".join(out) == want and hit
 
 
 def test_stop_checker_holds_back_only_possible_prefixes_at_end():
@@ -55,16 +57,7 @@ def test_choice_text_reports_stop_and_ignores_later_tokens(tok):
     assert c.push([5], None).text == ""
 
 
-def test_the_stop_string_kept_where_asked_the_first_listed_at_the_earliest_place():
-    for include, want in ((False, "abc "), (True, "abc STOP")):
-        s = StopChecker(["STOP", "\n\n"], include)
-        out = []
-        for piece in ["abc S", "TO", "P tail"]:
-            text, hit = s.push(piece)
-            out.append(text)
-            if hit:
-                break
-        assert hit and "".join(out) == want
+def test_the_stop_string_kept_is_the_first_listed_at_the_earliest_place():
     assert StopChecker(["STOP", "ST", "c"], True).push("ab STOP c") == ("ab STOP", True)
     assert StopChecker(["ST", "STOP"], True).push("ab STOP c") == ("ab ST", True)
 
