@@ -169,10 +169,12 @@ class Tokenizer:
         self.chat_template, self.has_chat_template = template, bool(template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                            **template_kwargs: Any) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Renders messages with the model's own template and a generation prompt, as transformers'
-        apply_chat_template(messages, add_generation_prompt=True, tools=tools) does. A template that does not
-        render tools gets them, and earlier calls and results, as text (shared.tool_calls.as_text)."""
+        apply_chat_template(messages, add_generation_prompt=True, tools=tools) does; template_kwargs: a request's
+        extra template variables (any name but the renderer's own). A template that does not render tools gets
+        them, and earlier calls and results, as text (shared.tool_calls.as_text)."""
+        template_kwargs = template_kwargs or {}
         if not messages:
             raise InvalidRequest("messages is empty")
         for i, m in enumerate(messages):

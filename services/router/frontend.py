@@ -94,7 +94,7 @@ class Frontend:
         if chars > most:
             raise InvalidRequest(f"the prompt has {chars} characters; this server accepts at most {most} "
                                  f"(its context window is {self.info.max_model_len} tokens)")
-        ids = (self.tok.apply_chat_template(inp.messages, inp.tools, **inp.template_kwargs) if inp.messages
+        ids = (self.tok.apply_chat_template(inp.messages, inp.tools, inp.template_kwargs) if inp.messages
                else self.tok.encode(inp.prompt))
         if inp.messages and self.cfg.reasoning_parser:
             inp.thinking_open = opens_thinking(self.tok.decode(ids[-8:], skip_special_tokens=False))

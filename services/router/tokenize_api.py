@@ -1,7 +1,7 @@
 """vLLM's /tokenize and /detokenize on the router: the served model's tokenizer over HTTP.
 
-    POST /tokenize    {"prompt": str} or {"messages": [...]} (rendered with the chat template and a generation
-                      prompt) -> {"count", "max_model_len", "tokens"}
+    POST /tokenize    {"prompt": str} or {"messages": [...], "chat_template_kwargs": {...}} (rendered with the chat
+                      template and a generation prompt) -> {"count", "max_model_len", "tokens"}
     POST /detokenize  {"tokens": [int, ...]} -> {"prompt": str}
 
 Both take an optional "model" (the served one) and the same API keys as the OpenAI routes; errors leave in OpenAI's
@@ -24,6 +24,7 @@ class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(Body):
@@ -49,9 +50,12 @@ def add_tokenize_routes(app: FastAPI, frontend: Frontend) -> None:
     def tokenize(req: TokenizeRequest) -> dict:
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give either prompt or messages")
+        if req.chat_template_kwargs is not None and req.messages is None:
+            raise InvalidRequest("chat_template_kwargs goes with messages")
         if req.messages is not None:
             ids = frontend.tok.apply_chat_template([{"role": m.role, "content": content_text(i, m.content)}
-                                                    for i, m in enumerate(req.messages)])
+                                                    for i, m in enumerate(req.messages)],
+                                                   template_kwargs=req.chat_template_kwargs)
         else:
             ids = frontend.tok.encode(req.prompt)
         return {"count": len(ids), "max_model_len": frontend.info.max_model_len, "tokens": ids}

@@ -161,6 +161,7 @@ def post(stack, body: dict) -> tuple[int, dict]:
     ({"guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, 200, ""),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, 400, "add_generation_prompt"),
+    ({"chat_template_kwargs": {"tools": "x"}}, 400, "tools"),
 ])
 def test_fields_are_honoured_or_refused(spec_stack, extra, status, words):
     code, body = post(spec_stack, {"messages": MESSAGES, "max_tokens": 4, **extra})
@@ -228,6 +229,8 @@ def test_tokenize_detokenize_and_model_card(spec_stack, hf_tokenizer, prompt_ids
     assert call("/detokenize", {"tokens": [10**8]})[0] == 400
     assert call("/tokenize", {"prompt": "a", "messages": MESSAGES})[0] == 400
     assert call("/tokenize", {"prompt": "a", "frobnicate": 1})[0] == 400
+    assert call("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools": 1}})[0] == 400
+    assert call("/tokenize", {"prompt": "a", "chat_template_kwargs": {"x": 1}})[0] == 400
     with urllib.request.urlopen(f"http://127.0.0.1:{spec_stack.http_port}/v1/models", timeout=60) as r:
         assert json.loads(r.read())["data"][0]["max_model_len"] == body["max_model_len"]
 

@@ -65,6 +65,14 @@ def ask(stack, **kw) -> dict:
     return {"reasoning_content": reasoning, "content": content}
 
 
+def tokenize(stack, body: dict) -> dict:
+    import urllib.request
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}/tokenize", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
 def test_an_answer_that_begins_inside_the_thinking_is_split(thinking):
     kw = {"structured_outputs": {"regex": "(why|sky|light){1,3}</think>(yes|no)"}}
     msg = ask(thinking, **kw)["choices"][0]["message"]
@@ -78,5 +86,8 @@ def test_thinking_turned_off_by_the_template_kwargs(thinking):
     on = ask(thinking, structured_outputs={"regex": "(why|sky)</think>(yes|no)"})
     off = ask(thinking, chat_template_kwargs={"enable_thinking": False}, structured_outputs={"regex": "(yes|no)"})
     assert off["usage"]["prompt_tokens"] == on["usage"]["prompt_tokens"] + 1          # the closing tag, rendered
+    counts = [tokenize(thinking, {"messages": ASK, **kw})["count"] for kw in
+              ({}, {"chat_template_kwargs": {"enable_thinking": False}})]
+    assert counts == [on["usage"]["prompt_tokens"], off["usage"]["prompt_tokens"]]     # /tokenize renders alike
     assert off["choices"][0]["message"].get("reasoning_content") is None
     assert off["choices"][0]["message"]["content"].strip() in ("yes", "no")

@@ -23,10 +23,13 @@ def test_an_override_template_renders_with_the_request_variables(tok):
     other = Tokenizer(default_model_path())
     other.use_chat_template(TEMPLATE)
     assert other.apply_chat_template([{"role": "user", "content": "hi"}]) == tok.encode("[user] hi\n") != own
-    assert other.apply_chat_template([{"role": "user", "content": "hi"}], shout=True) == tok.encode("[user] hi\n!")
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], enable_thinking=False) == own
-    with pytest.raises(InvalidRequest, match="add_generation_prompt"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert other.apply_chat_template([{"role": "user", "content": "hi"}], template_kwargs={"shout": True}) == \
+        tok.encode("[user] hi\n!")
+    hi = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(hi, template_kwargs={"enable_thinking": False}) == own
+    for name in ("tools", "messages", "add_generation_prompt"):            # the renderer's own: refused, not a crash
+        with pytest.raises(InvalidRequest, match=name):
+            tok.apply_chat_template(hi, template_kwargs={name: False})
 
 
 def test_the_flag_reaches_the_router_and_a_missing_file_is_refused(tmp_path):
