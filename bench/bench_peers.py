@@ -96,7 +96,8 @@ class ServeStack:
     def __init__(self, args: list[str]) -> None:
         self.address, self.http_port = f"127.0.0.1:{free_port()}", free_port()
         self.metrics_ports = (free_port(), free_port())        # the target's and the draft's /metrics
-        self.log = open(Path(tempfile.gettempdir()) / "upesi-bench-peers-serve.log", "w")
+        # a log per stack (a run's stacks must not truncate each other's), named by its port
+        self.log = open(Path(tempfile.gettempdir()) / f"upesi-bench-peers-serve-{self.http_port}.log", "w")
         cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", *args,
                "--address", self.address, "--http-port", str(self.http_port),
                "--target-address", f"127.0.0.1:{free_port()}",
@@ -200,6 +201,7 @@ class ServeStack:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
 
 STEP_COUNTERS = ("upesi_engine_step_seconds_count", "upesi_engine_step_seconds_sum", "upesi_draft_propose_seconds_sum")
