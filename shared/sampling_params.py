@@ -79,6 +79,8 @@ class SamplingParams:
             raise InvalidRequest("bad_words may hold at most 256 words of 1 to 64 tokens each")
         if any(not (isinstance(t, int) and t >= 0) for w in self.bad_words for t in w):
             raise InvalidRequest("bad_words must be token ids (integers >= 0)")
+        if any(not (isinstance(t, int) and t >= 0) for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be token ids (integers >= 0)")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
                                  f"got {self.min_tokens}")

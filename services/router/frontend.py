@@ -145,15 +145,14 @@ class Frontend:
                                 prompt_logprobs=inp.prompt_logprobs, tenant=caller.name)
         vocab = self.info.vocab_size
         for name, toks in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in toks if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"{name} names token {bad[0]}, outside the vocabulary [0, {vocab})")
+            if toks and max(toks) >= vocab:           # below 0: refused by SamplingParams
+                raise InvalidRequest(f"{name} names token {max(toks)}, outside the vocabulary [0, {vocab})")
         return ids, params
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """vLLM's reading of bad_words: each word's tokens as written at the start of a text and, where a leading
         space makes other tokens of the same count (a word of its own mid-sentence), those too."""
-        if len(words) > 128 or any(not isinstance(w, str) or not w.strip() or len(w) > 200 for w in words):
+        if len(words) > 128 or any(not w.strip() or len(w) > 200 for w in words):
             raise InvalidRequest("bad_words takes at most 128 non-empty words of at most 200 characters")
         out: list[list[int]] = []
         for w in words:

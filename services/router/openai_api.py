@@ -233,13 +233,10 @@ async def _serve(frontend: Frontend, request: Request, kind: type[GenerationRequ
         gens = [cast(AsyncGenerator[StreamChunk, None], frontend.stream(i, None, caller)) for i in inputs]
         gen = gens[0] if len(gens) == 1 else merge_prompts(gens, inputs[0].n or 1)
         if not req.stream:
-            collected = await _unless_disconnected(request, _collect(gen, n, bool(reply.echo)))
-            reply.thinking_open = inputs[0].thinking_open                 # known once the prompt was rendered
-            answer = reply.whole(*collected)
+            answer = reply.whole(*await _unless_disconnected(request, _collect(gen, n, bool(reply.echo))))
             metrics.REQUESTS.labels(method, "OK").inc()
             return JSONResponse(answer)
         first = await _unless_disconnected(request, anext(gen))    # errors up to here get an HTTP status
-        reply.thinking_open = inputs[0].thinking_open
     except _Disconnected:
         metrics.REQUESTS.labels(method, "CANCELLED").inc()
         return Response(status_code=499)                # nobody reads it; nginx's "client closed request"
@@ -261,7 +258,7 @@ def _reply_for(frontend: Frontend, req: GenerationRequest, inputs: list, chat: b
     """How the request's answer is written: its id, model, tool and reasoning parsing, echoed prompts."""
     reply = _Reply(chat, frontend.served_model, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                    int(time.time()), frontend.tok, inputs[0].tool_choice,
-                   reasoning=frontend.cfg.reasoning_parser == "think",
+                   reasoning=frontend.cfg.reasoning_parser == "think", chat_input=inputs[0] if chat else None,
                    prompt_logprobs=req.prompt_logprobs is not None)
     if not chat and req.echo:
         reply.echo = [i.prompt or frontend.tok.decode(i.prompt_ids) for i in inputs for _ in range(i.n or 1)]

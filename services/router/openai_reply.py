@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.router.generation_io import ChoiceDelta, Logprob, StreamChunk
+from services.router.generation_io import ChoiceDelta, GenerationInput, Logprob, StreamChunk
 from shared.tool_stream import ToolCallStream
 from shared.errors import PeerUnavailable
 from shared.reasoning import split as split_reasoning
@@ -41,8 +41,14 @@ class _Reply:
     tools: ToolChoice | None = None           # a chat request that may call tools (mode other than "none")
     echo: list[str] | None = None             # completions with echo: each choice's prompt text
     reasoning: bool = False                   # chat: <think>...</think> becomes reasoning_content
-    thinking_open: bool = False               # the prompt ended inside <think>: answers begin in the reasoning
+    chat_input: GenerationInput | None = None  # a chat request's input (its rendering tells thinking_open)
     prompt_logprobs: bool = False             # vLLM's prompt_logprobs field in the answer
+
+    @property
+    def thinking_open(self) -> bool:
+        """The chat prompt ended inside <think> (known once the Frontend rendered it): answers begin in the
+        reasoning."""
+        return self.chat_input is not None and self.chat_input.thinking_open
 
     def whole(self, texts: list[str], reasons: list[str | None], last: StreamChunk,
               tokens: list[_Tokens] | None = None, prompts: list[_Tokens | None] | None = None) -> dict:

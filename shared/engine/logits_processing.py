@@ -23,59 +23,45 @@ from shared.sampling_params import SamplingParams
 def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int,
             ends: list[int], stop_ids: set[int]) -> torch.Tensor:
     """logits [R, V] -> a processed fp32 copy [R, V]. Row r predicts the token after token_ids[:ends[r]] (ends
-    ascending, each >= num_prompt); stop_ids are masked while the output is shorter than min_tokens."""
-    first = ends[0]
-    return process_rows(logits, params, token_ids[:first], num_prompt, [token_ids[first:end] for end in ends],
-                        stop_ids)
-
-
-def process_rows(logits: torch.Tensor, params: SamplingParams, base: list[int], num_prompt: int,
-                 extra: list[list[int]], stop_ids: set[int]) -> torch.Tensor:
-    """logits [R, V] -> a processed fp32 copy [R, V], row r predicting the token after base + extra[r] (base holds
-    the prompt, its first num_prompt tokens; extra[r]: a chain's drafts before row r). Every row's arithmetic is the
-    same elementwise operations, whatever the other rows: a verification row is processed as the decode row it
-    stands for."""
+    ascending, each >= num_prompt); stop_ids are masked while the output is shorter than min_tokens. Every row's
+    arithmetic is the same elementwise operations, whatever the other rows, all rows at once: a verification row is
+    processed as the decode row it stands for."""
     out = logits.float().clone()                                                # [R, V]
     v, dev = out.shape[-1], out.device
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=dev)
         out[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=out.dtype, device=dev)
-    lengths = [len(base) + len(e) - num_prompt for e in extra]                  # output tokens before each row
     if params.min_tokens and stop_ids:
-        short = [r for r, n in enumerate(lengths) if n < params.min_tokens]
+        short = [r for r, end in enumerate(ends) if end - num_prompt < params.min_tokens]
         if short:
             out[torch.tensor(short, device=dev)[:, None], torch.tensor(sorted(stop_ids), device=dev)[None, :]] = \
                 float("-inf")
     for word in params.bad_words:
         *head, last = word
-        for r, e in enumerate(extra):
-            if not head or (lengths[r] >= len(head) and _ends_with(base, e, head)):
+        for r, end in enumerate(ends):
+            if not head or (end - num_prompt >= len(head) and token_ids[end - len(head):end] == head):
                 out[r, last] = float("-inf")
     rp, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
     if rp == 1.0 and not freq and not pres:
         return out
-    counts = torch.zeros(v, dtype=out.dtype, device=dev)                        # [V] the base's output tokens
-    if len(base) > num_prompt:
-        counts.index_add_(0, torch.tensor(base[num_prompt:], dtype=torch.long, device=dev),
-                          torch.ones(len(base) - num_prompt, dtype=out.dtype, device=dev))
-    counts = counts.expand(len(extra), v).clone()                               # [R, V] each row's own
-    rows = [r for r, e in enumerate(extra) for _ in e]
+    first = ends[0]
+    counts = torch.zeros(v, dtype=out.dtype, device=dev)                        # [V] output tokens before row 0
+    if first > num_prompt:
+        counts.index_add_(0, torch.tensor(token_ids[num_prompt:first], dtype=torch.long, device=dev),
+                          torch.ones(first - num_prompt, dtype=out.dtype, device=dev))
+    counts = counts.expand(len(ends), v).clone()                                # [R, V] each row's own
+    rows = [r for r, end in enumerate(ends) for _ in range(first, end)]         # row r adds token_ids[first:end]
     if rows:
-        counts.index_put_((torch.tensor(rows, device=dev), torch.tensor([t for e in extra for t in e], device=dev)),
+        toks = [t for end in ends for t in token_ids[first:end]]
+        counts.index_put_((torch.tensor(rows, device=dev), torch.tensor(toks, dtype=torch.long, device=dev)),
                           torch.ones(len(rows), dtype=out.dtype, device=dev), accumulate=True)
     seen = counts > 0
     if rp != 1.0:
         in_prompt = torch.zeros(v, dtype=torch.bool, device=dev)
-        in_prompt[torch.tensor(base[:num_prompt], dtype=torch.long, device=dev)] = True
+        in_prompt[torch.tensor(token_ids[:num_prompt], dtype=torch.long, device=dev)] = True
         rep = in_prompt | seen
         out = torch.where(rep, torch.where(out > 0, out / rp, out * rp), out)
     return out - freq * counts - pres * seen.to(out.dtype)
-
-
-def _ends_with(base: list[int], extra: list[int], tail: list[int]) -> bool:
-    """Whether base + extra ends with tail (without building base + extra)."""
-    k = len(tail) - len(extra)
-    return extra[-len(tail):] == tail if k <= 0 else base[len(base) - k:] + extra == tail
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int) -> list[TokenLogprob]:
