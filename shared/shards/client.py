@@ -11,9 +11,11 @@ channels reconnect by themselves, so a shard that comes back serves again.
 
 A frozen shard (stopped, swapping, hung) answers nothing, so waiting for the call's deadline would hold every step
 for `timeout_s`. Each shard's calls are timed (seconds per row, a moving average); a call that takes STALL_FACTOR
-times its expected time (at least STALL_FLOOR_S) is stalled. Where its slots have replicas the shard is failed over
-at once; where they have none the shard's health service is asked (PROBE_S): a shard that answers is only slow and
-the call is awaited to its deadline, one that does not is failed fast, and the step with it.
+times its expected time (at least STALL_FLOOR_S) is stalled. Where its slots have replicas on shards known to serve
+the shard is failed over at once; where they have none the shard's health service is asked (PROBE_S): a shard that
+answers is only slow and the call is awaited to its deadline, one that does not is failed fast, and the step with it.
+A shard that failed stays in doubt until a call to it succeeds: once its `retry_after_s` has passed, steps send it
+work again, but a slow call is never given up on in favour of a replica in doubt (which may still be down).
 
 Shapes: T = tokens in the step, k = units per token, D = hidden, L = layers, E = units of a layer.
 """
@@ -88,6 +90,7 @@ class ExpertsClient:
         self.tokens = {True: torch.zeros(layers, n, dtype=torch.int64),                       # [L, N] dense slices
                        False: torch.zeros(layers, max(placement.num_experts, 1), dtype=torch.int64)}   # [L, E]
         self._down_until = [0.0] * n
+        self._in_doubt = [False] * n                      # failed, and no call has succeeded since
         self._replicas: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._dense_plans: dict[tuple, dict] = {}
         self._ok = [RPCS.labels(str(s), "OK") for s in range(n)]
@@ -206,9 +209,11 @@ class ExpertsClient:
                 log.warning("expert shard %d at %s: %s (%s); avoiding it for %.1f s", s, self.addresses[s],
                             e.code().name, e.details(), self.retry_after_s)
                 self._down_until[s] = time.monotonic() + self.retry_after_s
+                self._in_doubt[s] = True
                 failed[s] = e
                 continue
             self._ok[s].inc()
+            self._in_doubt[s] = False
             size = resp.ByteSize()
             self.bytes_received += size
             self._received.inc(size)
@@ -241,8 +246,9 @@ class ExpertsClient:
         return resp
 
     def _replicated(self, layer: int, s: int, units: torch.Tensor) -> bool:
-        """Whether every unit of a call to shard s has a replica on a shard that is not avoided."""
-        table, avoid = self.placement.table(layer, self.dense_layers[layer]), self._avoid() | {s}
+        """Whether every unit of a call to shard s has a replica on a shard that is neither avoided nor in doubt."""
+        table = self.placement.table(layer, self.dense_layers[layer])
+        avoid = self._avoid() | {s} | {i for i, doubt in enumerate(self._in_doubt) if doubt}
         return all(not set(table[u]) <= avoid for u in torch.unique(units.long()).tolist())
 
     def _answers(self, s: int) -> bool:
