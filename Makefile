@@ -33,11 +33,12 @@ $(STUBS) &: $(PROTOS) | $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
 # The default deployment: router, target and a draft service that proposes up to K = 12 tokens per step: prompt
-# lookup's chains where the text repeats, else trees of the EAGLE
-# head trained for the default model (bench/bench_peers.py measures it against vLLM's CPU build). The FFNs stay in
-# the target: on one small host, splitting a 135M model's FFNs over expert shards costs more than it frees
+# lookup's chains where the text repeats (by the target itself for requests sent without the draft), else trees of
+# the EAGLE head trained for the default model (bench/bench_peers.py measures it against vLLM's CPU build). The FFNs
+# stay in the target: on one small host, splitting a 135M model's FFNs over expert shards costs more than it frees
 # (docs/performance.md); `make run SERVE_ARGS="--expert-shards 2 ..."` deploys them, as compose and deploy/ do.
-SERVE_ARGS ?= --draft eagle:models/eagle-smollm2-135m --num-speculative-tokens 12 --speculation-guard true
+SERVE_ARGS ?= --draft eagle:models/eagle-smollm2-135m --num-speculative-tokens 12 --speculation-guard true \
+              --lookup-speculation true
 
 run: install
 	$(VENV)/bin/upesi serve $(SERVE_ARGS)

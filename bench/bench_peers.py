@@ -17,7 +17,8 @@ step's wall time goes (the target's step, the draft's proposal, and the rest: Ve
 shared/ops/qgemm.c, qgemm_avx2.c). `--weights` adds stacks beside it, their requests alternating with the default
 stack's: `dequantised` (or `bf16`; the same flags plus --dequantise-gguf: the file dequantised at load to the
 stack's dtype; plain and default requests) and `nvfp4:DIR` (an NVFP4 checkpoint made by `upesi quantize`, served
-plainly). The target's resident memory is reported for each stack.
+plainly). `--compare-args "FLAGS"` adds a stack of other `upesi serve` flags whose default requests alternate
+with the others (a deployment choice, side by side). The target's resident memory is reported for each stack.
 With `--llamacpp-python PATH` (the interpreter of a llama-cpp-python install) llama.cpp decodes the same prompt
 tokens from `--llamacpp-model` (default: the default model's Q4_1 file) one at a time (bench/peer_llamacpp.py).
 
@@ -388,7 +389,7 @@ def main() -> None:
     ap.add_argument("--skip-spec", action="store_true", help="only plain requests through the stack")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="chat",
                     help="chat: four short questions; grounded: four edits of a given ~300-token text, whose "
-                         "answers copy the prompt (bench/workloads.py)")
+                         "answers copy the prompt; mixed: the two interleaved (bench/workloads.py)")
     ap.add_argument("--presence-penalty", type=float, default=0.0,
                     help="the stack's requests (plain and default) carry this presence penalty, so speculation is "
                          "verified under logits processing; peers are run without it (use without them)")
@@ -396,6 +397,9 @@ def main() -> None:
                     "bf16: the GGUF dequantised to the stack's dtype at load; plain and default requests), int8 "
                     "(the default stack with --int8-activations), nvfp4:DIR (an NVFP4 checkpoint) and "
                     "nvfp4-int8:DIR (the same with --int8-activations); plain requests")
+    ap.add_argument("--compare-args", default=None, help="flags of a second `upesi serve` stack beside the first, "
+                                                        "whose default requests are measured in the same rounds "
+                                                        "(a deployment choice side by side)")
     ap.add_argument("--llamacpp-python", default=None, help="python of a llama-cpp-python install (measures "
                                                             "llama.cpp beside, single stream)")
     ap.add_argument("--llamacpp-model", default=None, help="GGUF file for llama.cpp (default: the default model)")
@@ -428,6 +432,9 @@ def main() -> None:
                 sides[f"upesi {kind} {Path(path).name} plain"] = (stacks[-1], 0)
             else:
                 ap.error(f"--weights takes dequantised, int8, nvfp4:DIR and nvfp4-int8:DIR, not {w!r}")
+        if a.compare_args is not None:
+            stacks.append(ServeStack([*shlex.split(a.compare_args), "--dtype", a.dtype]))
+            sides["upesi default, --compare-args"] = (stacks[-1], None)
         results.update(measure_stack(sides, a.loads, a.tokens, a.reps))
     finally:
         for stack in stacks:

@@ -3,6 +3,8 @@
     chat      four short questions (what bench_peers.py and bench_generate.py have always used)
     grounded  four edits of a given text of ~300 tokens (rewrite, correct, reformat), so that the answer copies
               long runs of the prompt: the load prompt lookup and draft heads are measured on beside chat
+    mixed     the two interleaved (chat, grounded, chat, ...): one deployment serving both kinds, whose choice to
+              speculate or not is learned from the mix
 """
 from __future__ import annotations
 
@@ -48,4 +50,4 @@ GROUNDED = [
     f"Copy the following text, putting each sentence on its own line as a bulleted list:\n\n{_GARDEN}",
 ]
 
-WORKLOADS = {"chat": CHAT, "grounded": GROUNDED}
+WORKLOADS = {"chat": CHAT, "grounded": GROUNDED, "mixed": [p for pair in zip(CHAT, GROUNDED) for p in pair]}

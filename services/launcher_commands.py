@@ -24,7 +24,8 @@ TARGET_COMPOSED = frozenset({
 ROUTER_COMPOSED = frozenset({"draft", "chat_template", "registry", "tls_ca", "tls_cert", "tls_key"})
 # ... and those prefill-only targets do without: they compute prompts, never decode
 DECODE_ONLY = frozenset({
-    "speculative", "num_speculative_tokens", "adaptive_speculation", "speculation_guard", "speculative_max_seqs",
+    "speculative", "num_speculative_tokens", "adaptive_speculation", "speculation_guard", "lookup_speculation",
+    "speculative_max_seqs",
     "draft_confidence", "draft_tree_nodes", "draft_tree_ngram", "stream_interval"})
 
 

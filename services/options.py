@@ -47,6 +47,13 @@ def speculation_guard() -> Any:
                          "that set their own num_speculative_tokens are left as they ask")
 
 
+def lookup_speculation() -> Any:
+    return option(False, "the targets draft by prompt lookup the requests that reach them without a draft service "
+                         "(the router's guard or the load kept them from one) where their text repeats its context "
+                         "(a rewrite, an edit, a quote): chains of up to --num-speculative-tokens, verified as any "
+                         "draft; requests with num_speculative_tokens 0 never speculate")
+
+
 def speculative_max_seqs(default: int) -> Any:
     return option(default, "the targets speculate only while at most this many sequences are running or waiting to "
                            "be admitted; with more, every sequence decodes plainly until the batch shrinks (on CPUs "

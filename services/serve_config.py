@@ -76,6 +76,7 @@ class ServeConfig:
     num_speculative_tokens: int = options.num_speculative_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
     speculation_guard: bool = options.speculation_guard()
+    lookup_speculation: bool = options.lookup_speculation()
     prefill_itl_stretch: float = options.prefill_itl_stretch()
     speculative_max_requests: int = option(1, "with --draft: requests speculate only while at most this many are "
                                               "in flight at the router (more: plain decoding on the target; "

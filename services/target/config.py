@@ -63,6 +63,7 @@ class TargetConfig(options.TLS):
     num_speculative_tokens: int = options.num_speculative_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
     speculation_guard: bool = options.speculation_guard()
+    lookup_speculation: bool = options.lookup_speculation()
     speculative_max_seqs: int = options.speculative_max_seqs(0)
     draft_confidence: float | None = options.draft_confidence()
     draft_tree_nodes: int | None = options.draft_tree_nodes()

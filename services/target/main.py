@@ -125,7 +125,7 @@ async def serve(cfg: TargetConfig) -> None:
     metrics.KV_BLOCKS_TOTAL.set(engine.counters().kv_blocks_total)
     if cfg.metrics_port:
         metrics.serve_metrics(cfg.metrics_port, cfg.address)
-    service = Service("upesi.v1.Target", TargetServicer(async_engine, cfg.draft_timeout_s),
+    service = Service("upesi.v1.Target", TargetServicer(async_engine, cfg.draft_timeout_s, cfg.lookup_speculation),
                       target_pb2_grpc.add_TargetServicer_to_server)
 
     async def stop() -> None:

@@ -36,10 +36,11 @@ def params_from_pb(req: target_pb2.TargetGenerateRequest) -> SamplingParams:
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, engine: AsyncEngine, verify_timeout_s: float = 5.0) -> None:
+    def __init__(self, engine: AsyncEngine, verify_timeout_s: float = 5.0, lookup_speculation: bool = False) -> None:
         self.engine = engine
-        # drafts from Verify streams go through a mux
-        mux = engine.wrap_proposer(lambda p: p if isinstance(p, ProposerMux) else ProposerMux(p))
+        # drafts from Verify streams go through a mux (and prompt lookup, for requests without a draft service)
+        mux = engine.wrap_proposer(lambda p: p if isinstance(p, ProposerMux)
+                                   else ProposerMux(p, lookup_unbound=lookup_speculation))
         self.relays = Relays(engine, mux)
         self.verify_timeout_s = verify_timeout_s
         self.blocks = BlockSender(engine)

@@ -7,6 +7,11 @@ Lookup first for the streams' sequences: one whose text repeats its context is d
 (shared.spec.lookup) and left out of that step's exchange with its draft service, which saves the round trip and
 the draft's work where a lookup chain is the better draft anyway. Its hidden states and tokens wait in the stream's
 proposer and reach the draft with its next exchange.
+
+With `lookup_unbound` (the target's `--lookup-speculation`), requests that have no proposer at all (the router sent
+them without a draft service: its guard or the load kept them from one) are drafted by the same lookup: a text that
+repeats its context still gets chains, with no draft service involved. A request that asks for no speculation
+(num_speculative_tokens 0) never reaches the proposer.
 """
 from __future__ import annotations
 
@@ -18,9 +23,10 @@ from shared.spec.lookup import LOOKUP_N, LookupFirst
 
 
 class ProposerMux:
-    def __init__(self, local: Proposer | None = None, lookup_n: int = LOOKUP_N) -> None:
+    def __init__(self, local: Proposer | None = None, lookup_n: int = LOOKUP_N, lookup_unbound: bool = False) -> None:
         self.local = local
-        self.lookup = LookupFirst(lookup_n)           # for sequences bound to a stream (0: off)
+        self.lookup = LookupFirst(lookup_n)           # for sequences bound to a stream (0: off) ...
+        self.lookup_unbound = lookup_unbound and lookup_n > 0    # ... and for those without a proposer
         self.bound: dict[str, Proposer] = {}          # request id -> proposer (set by the caller's thread)
         self.streams: dict[int, Proposer] = {}        # every live stream's proposer, bound requests or not
 
@@ -34,7 +40,7 @@ class ProposerMux:
     @property
     def active(self) -> bool:
         """Whether any request can get drafts (else the engine skips proposing)."""
-        return self.local is not None or bool(self.bound)
+        return self.local is not None or bool(self.bound) or self.lookup_unbound
 
     def bind(self, request_id: str, proposer: Proposer) -> None:
         self.bound[request_id] = proposer
@@ -56,14 +62,15 @@ class ProposerMux:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         out: list[Proposal] = [NO_PROPOSAL] * len(seqs)
-        streamed = [i for i, s in enumerate(seqs) if hasattr(self._of(s), "start_propose")]
+        proposers = [self._of(s) for s in seqs]
+        streamed = [i for i, p in enumerate(proposers)
+                    if hasattr(p, "start_propose") or (p is None and self.lookup_unbound)]
         chains = self.lookup.chains([seqs[i] for i in streamed], [ks[i] for i in streamed])
         looked_up = {streamed[j] for j in chains}
         for j, chain in chains.items():
             out[streamed[j]] = Proposal(chain)
         groups: dict[int, tuple[Proposer, list[int]]] = {}
-        for i, s in enumerate(seqs):
-            p = self._of(s)
+        for i, p in enumerate(proposers):
             if p is not None and i not in looked_up:
                 groups.setdefault(id(p), (p, []))[1].append(i)
         # One batched call per proposer. Remote ones (Verify streams) are sent their verdicts first and awaited

@@ -70,6 +70,38 @@ def test_greedy_speculative_equals_transformers(spec_stack, hf_greedy):
     assert "process_cpu_seconds_total" in text or "python_info" in text
 
 
+def test_a_target_drafts_by_lookup_for_requests_without_a_draft(tmp_path):
+    """--lookup-speculation: with no draft service at all, an answer that copies its prompt is drafted by prompt
+    lookup in the target; greedy output equals the same stack's plain output, and a chat answer is unchanged."""
+    log = open(tmp_path / "lookup.log", "w")
+    target, router = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [spawn(["target", "--address", target, "--num-speculative-tokens", "8", "--lookup-speculation", "true",
+                    "--kv-cache-gb", "0.25"], log)]
+    procs.append(spawn(["router", "--address", router, "--target", target, "--http-port", "0"], log))
+    copy = ("Repeat this sentence twice, word for word: The quick brown fox jumps over the lazy dog near the "
+            "river bank at dawn.")
+    try:
+        wait_healthy(router)
+        with grpc.insecure_channel(router) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for prompt, drafts in ((copy, True), (CHAT_PROMPTS[1], None)):
+                plain = stub.Generate(chat(prompt, max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True,
+                                           num_speculative_tokens=0), timeout=120)
+                r = stub.Generate(chat(prompt, max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True),
+                                  timeout=120)
+                assert plain.spec.draft_tokens == 0
+                assert list(r.choices[0].token_ids) == list(plain.choices[0].token_ids)
+                if drafts:
+                    assert r.spec.draft_tokens > 0 and r.spec.accepted_tokens > 0, r.choices[0].text
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(30)
+        log.close()
+
+
 def test_draft_refuses_targets_outside_its_allow_list(spec_stack, hf_greedy, tmp_path):
     """A draft started with --targets serves only those: asked for another target it answers PERMISSION_DENIED,
     and a router sending it requests for that target still serves them, without speculation."""

@@ -84,6 +84,25 @@ def test_request_can_turn_speculation_off(tiny, greedy_ref):
     assert out == greedy_ref[0] and last.num_draft_tokens == 0
 
 
+def test_lookup_for_requests_without_a_proposer_keeps_greedy_output(tiny, greedy_ref):
+    """The target's lookup for requests that reach it without a draft service (ProposerMux lookup_unbound, the
+    target's --lookup-speculation): greedy output unchanged, chains drafted and verified; none without the switch
+    or for a request that turns speculation off."""
+    from shared.spec.proposer_mux import ProposerMux
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for unbound in (True, False):
+        eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
+                                     num_speculative_tokens=5))
+        eng.proposer = ProposerMux(eng.proposer, lookup_n=1, lookup_unbound=unbound)
+        assert [o[0] for o in eng.generate(PROMPTS, params)] == greedy_ref                 # batch 8
+        assert eng.generate(PROMPTS[:1], params)[0][0] == greedy_ref[0]                    # batch 1
+        assert (eng.stats_draft > 0) == unbound and (eng.stats_accepted > 0) == unbound
+        assert not eng.proposer.lookup.tracks and eng.block_manager.num_used_blocks == 0
+    eng.proposer.lookup_unbound, drafted = True, eng.stats_draft
+    off = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, num_speculative_tokens=0)
+    assert [o[0] for o in eng.generate(PROMPTS, off)] == greedy_ref and eng.stats_draft == drafted
+
+
 # ---------------------------------------------------------------- distribution exactness
 V = 16
 
