@@ -34,11 +34,39 @@ def find_continuation(tokens: list[int], k: int, n: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """The latest end of every n-gram of one growing text, so that a step's lookup costs O(n + k) instead of a scan
+    of the text (a batch of long sequences would otherwise pay a scan each per step). `continuation` answers as
+    find_continuation does. The text only grows between calls (drafts are appended after the lookup and removed
+    before the next); one that shrank is indexed again."""
+    __slots__ = ("ends", "upto")
+
+    def __init__(self) -> None:
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {}     # n -> n-gram -> its latest end
+        self.upto: dict[int, int] = {}                            # n -> ends below it are indexed
+
+    def continuation(self, tokens: list[int], k: int, n: int) -> list[int]:
+        size = len(tokens)
+        if k < 1 or n < 1 or size <= n:
+            return []
+        ends = self.ends.setdefault(n, {})
+        start = self.upto.get(n, n - 1)
+        if start > size - 1:                          # the text shrank
+            ends.clear()
+            start = n - 1
+        for end in range(start, size - 1):            # the tail (ending at size - 1) is not its own match
+            ends[tuple(tokens[end - n + 1:end + 1])] = end
+        self.upto[n] = size - 1
+        end = ends.get(tuple(tokens[size - n:]))
+        return [] if end is None else tokens[end + 1:end + 1 + k]
+
+
 class _Track:
-    __slots__ = ("base", "chain", "misses", "rest")
+    __slots__ = ("base", "chain", "misses", "rest", "index")
 
     def __init__(self) -> None:
         self.base, self.chain, self.misses, self.rest = 0, [], 0, 0
+        self.index = NgramIndex()
 
     def observe(self, tokens: list[int]) -> None:
         """Counts the last lookup draft a miss when the target accepted none of it."""
@@ -75,7 +103,7 @@ class LookupFirst:
                 continue
             chain: list[int] = []
             for n in range(self.n + LONGER, self.n - 1, -1):    # the longest match places the copy best
-                chain = find_continuation(seq.token_ids, k, n)
+                chain = track.index.continuation(seq.token_ids, k, n)
                 if chain:
                     break
             if len(chain) >= min(k, MIN_CHAIN):

@@ -6,7 +6,7 @@ import torch
 
 from shared.engine.sequence import Sequence
 from shared.sampling_params import SamplingParams
-from shared.spec.lookup import MISSES, REST_STEPS, LookupFirst, find_continuation
+from shared.spec.lookup import MISSES, REST_STEPS, LookupFirst, NgramIndex, find_continuation
 from shared.spec.proposers import prompt_lookup
 
 
@@ -21,6 +21,22 @@ def test_find_continuation_is_prompt_lookup_at_one_n():
         for n in (1, 2, 3):
             for k in (1, 4, 9):
                 assert find_continuation(tokens, k, n) == prompt_lookup(tokens, k, max_n=n, min_n=n), (tokens, n, k)
+
+
+def test_the_ngram_index_answers_as_the_scan_while_the_text_grows():
+    g = torch.Generator().manual_seed(1)
+    for case in range(40):
+        tokens = torch.randint(0, 3 + case % 6, (120,), generator=g).tolist()
+        index, text = NgramIndex(), []
+        for t in tokens:
+            text.append(t)
+            for n in (1, 2, 3, 4):
+                for k in (1, 5):
+                    assert index.continuation(text, k, n) == find_continuation(text, k, n), (text, n, k)
+        del text[60:]                                                # shrunk: indexed again
+        text += [7, 7]
+        for n in (1, 2, 3):
+            assert index.continuation(text, 4, n) == find_continuation(text, 4, n)
 
 
 def test_chains_follow_the_longest_earlier_match():
