@@ -34,6 +34,7 @@ def free_port_run(n: int) -> int:
             for port in range(base, base + n):
                 socks.append(socket.socket())
                 socks[-1].bind(("127.0.0.1", port))
+            _GIVEN.update(range(base, base + n))         # never handed out again, as free_port's
             return base
         except OSError:
             continue
@@ -72,6 +73,13 @@ def wait_healthy(address: str, timeout_s: float = 300, procs: list[subprocess.Po
             time.sleep(0.3)
     raise TimeoutError(address)
 
+def _ports_after_target(args: list[str]) -> int:
+    """How many ports from --target-address on `upesi serve` with these flags takes (ServeConfig's addresses)."""
+    def count(flag: str, default: int) -> int:
+        return int(args[args.index(flag) + 1]) if flag in args[:-1] else default
+    return count("--target-replicas", 1) + count("--expert-shards", 0) + count("--prefill-replicas", 0)
+
+
 class Stack:
     """`upesi serve` on free ports, as a user runs it."""
 
@@ -79,8 +87,10 @@ class Stack:
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.grpc_port}"
         self.log = tmp / "serve.log"
+        if target_address is None:       # the replicas, expert shards and prefill targets take the ports after it
+            target_address = f"127.0.0.1:{free_port_run(_ports_after_target(extra or []))}"
         cmd = [sys.executable, "-m", "services.cli", "serve", "--address", self.address,
-               "--http-port", str(self.http_port), "--target-address", target_address or f"127.0.0.1:{free_port()}",
+               "--http-port", str(self.http_port), "--target-address", target_address,
                "--target-metrics-port", str(self.metrics_port), "--kv-cache-gb", "0.5",
                # a draft service on ports of its own: two stacks alive at once never share one
                "--draft-address", f"127.0.0.1:{free_port()}", "--draft-metrics-port", "0", *(extra or [])]
