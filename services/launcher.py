@@ -15,7 +15,7 @@ from services.launcher_commands import children as launch_children
 from services.serve_config import ServeConfig
 from shared.config import add_config_arguments, config_from_args
 from shared.ops import switches
-from shared.rpc import internal_token
+from shared.rpc import internal_token, ports
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +107,17 @@ def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout_s: float,
     raise TimeoutError(f"the stack did not become healthy on {address} within {timeout_s:.0f} s")
 
 
+def _check_ports(planned: list[tuple[str, str]]) -> None:
+    """Raises RuntimeError naming every (service, address) of `planned` whose port another process holds: the
+    stack would not start, or a service would be missing (targets, shards and prefill targets take the ports after
+    --target-address)."""
+    taken = [f"{name} on {address}" for name, address in planned if ports.in_use(address)]
+    if taken:
+        raise RuntimeError(f"another process holds the port of {', '.join(taken)}; choose free ports "
+                           "(--address, --http-port, --target-address: replicas, expert shards and prefill targets "
+                           "take the ports after it)")
+
+
 def _stop(procs: list[subprocess.Popen], grace_s: float = 35.0) -> None:
     """Router first: it stops taking requests and drains its streams while the services behind it still run; then the
     rest together. Each gets SIGTERM (graceful drain, up to 30 s in run_server) and is killed past `grace_s`."""
@@ -175,6 +186,8 @@ def main(args: argparse.Namespace) -> None:
     try:
         env = _turns_env(cfg, _expert_env(cfg))
         children = launch_children(cfg)
+        _check_ports([(c.name, c.address) for c in children] + [("router", cfg.address),
+                                                                  ("HTTP", f"{cfg.http_host}:{cfg.http_port}")])
         for child in children:
             procs.append(_child(child.command, env))
             if child.name.startswith("expert shard"):

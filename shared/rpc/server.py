@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from shared import telemetry
 from shared.rpc import internal_token
 from shared.rpc.channel import MAX_MESSAGE_BYTES, ServerTLS, message_options
+from shared.rpc.ports import ListenError
 
 log = logging.getLogger("upesi.server")
 
@@ -42,10 +43,11 @@ def server_options(max_receive_bytes: int | None = None,
                    limits: ConnectionLimits | None = None) -> list[tuple[str, int]]:
     """Message sizes (a public port receives at most `max_receive_bytes`: larger messages are refused with
     RESOURCE_EXHAUSTED before they are parsed), clients' keepalive pings every 4 s or more are welcome
-    (channel.keepalive_options), and a public port's connection limits."""
+    (channel.keepalive_options), a port already taken is refused (no SO_REUSEPORT: two services on one port would
+    share its connections silently), and a public port's connection limits."""
     sizes = [(k, max_receive_bytes if max_receive_bytes and k.endswith("receive_message_length") else v)
              for k, v in message_options()]
-    out = sizes + [("grpc.keepalive_permit_without_calls", 1),
+    out = sizes + [("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
                    ("grpc.http2.min_ping_interval_without_data_ms", 4_000)]
     if limits is not None:
         out += [("grpc.max_concurrent_streams", limits.streams_per_connection),
@@ -90,9 +92,15 @@ async def run_server(address: str, services: list[Service], *, grace_s: float = 
     names = [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     creds = tls.credentials() if tls else None
-    port = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+    try:
+        port = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+    except RuntimeError:                             # grpcio's "Failed to bind"; older releases return 0
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {address}")
+        if on_stop:                                  # the service's threads stop, so its process can exit
+            await on_stop()
+        raise ListenError(f"cannot listen on {address}: another process holds the port, or the host is not this "
+                          "machine's")
     await server.start()
     if on_start:
         await on_start()

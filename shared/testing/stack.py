@@ -16,7 +16,7 @@ _GIVEN: set[int] = set()
 
 def free_port() -> int:
     """A port nothing listens on now, and never one this process gave out before: servers bind seconds later, and
-    gRPC binds with SO_REUSEPORT, so two services handed the same port would share it silently."""
+    a port handed to two services fails the second one's start."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
