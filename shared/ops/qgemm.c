@@ -5,9 +5,11 @@
 // features of one output column, w = value(code) * scale + min. The kernel expands each code in registers to a bf16
 // number e = value * f + shift (f is 1 or 2; shift a per-weight constant that makes e a small positive integer plus
 // a power of two, so e is built from the code's bits with shifts and masks, no conversion), and computes per block
-//     y[c] += scale'[c, b] * (sum_{i in b} e(code[c, i]) * x[i] - shift * sx[b])  +  min[c, b] * sx[b]
-// where sx[b] = sum_{i in b} x[i] and scale' = scale / f. Every product e * x is exact in fp32 (x in bf16), the sums
-// are in fp32: the dequantised weight's result up to the order (and the shift's cancellation) of fp32 sums.
+//     y[c] += scale'[c, b] * (sum_{i in b} e(code[c, i]) * x[i] - shift * sx[b])                 (no mins)
+//     y[c] += scale'[c, b] * sum_{i in b} e(code[c, i]) * x[i]  +  min'[c, b] * sx[b]             (mins)
+// where sx[b] = sum_{i in b} x[i], scale' = scale / f and min' = min - shift * scale' (the shift's correction
+// joins the min: one multiply-add less per row and block). Every product e * x is exact in fp32 (x in bf16), the
+// sums are in fp32: the dequantised weight's result up to the order (and the shift's cancellation) of fp32 sums.
 //
 // Weights are repacked once at load in units of 32 output columns (two panels of 16), one record per block:
 //     codes   BKK pairs of features for both panels, in the order the expansion reads them (see expand)
@@ -26,11 +28,27 @@
 #define MR 6      // rows per register tile: a 5-node draft tree's verification (6 rows) is one tile
 #define P 2       // accumulators per row and panel: MR x 2 panels x P = 24 independent vdpbf16ps chains
 
-// Rows r0 .. r0 + mr of one block: tot [rows][32] += scale * (x . e - shift * sx) + min * sx.
+// A block's scales and mins for the kernel's sums: with mins, min' = min - shift * scale' (see the top).
+static inline void kernel_scales(const qdesc *q, const uint8_t *rec, __m512 *sc, __m512 *mn) {
+    block_scales(q, rec, sc, mn);
+    if (q->has_min && q->shift != 0.f) {
+        __m512 shift = _mm512_set1_ps(q->shift);
+        mn[0] = _mm512_fnmadd_ps(shift, sc[0], mn[0]);
+        mn[1] = _mm512_fnmadd_ps(shift, sc[1], mn[1]);
+    }
+}
+
+// The shift's correction a block's sum takes itself: none when it is 0 or has joined the mins.
+static inline int own_shift(const qdesc *q) {
+    return q->shift != 0.f && !q->has_min;
+}
+
+// Rows r0 .. r0 + mr of one block: tot [rows][32] += scale * (x . e - shift * sx) (no mins; `sub`: shift is not
+// 0), or scale * x . e + min' * sx (mins).
 static inline __attribute__((always_inline)) void rows_block(const uint16_t *x, int64_t ldx, int mr, int bkk,
                                                              const __m512bh *buf, const __m512 *sc, const __m512 *mn,
-                                                             int has_min, float shift, const float *sx, int64_t nb,
-                                                             float *tot) {
+                                                             int has_min, int sub, float shift, const float *sx,
+                                                             int64_t nb, float *tot) {
     __m512 a[MR][2][P];
     for (int r = 0; r < MR; r++)
         for (int p = 0; p < 2; p++)
@@ -51,7 +69,9 @@ static inline __attribute__((always_inline)) void rows_block(const uint16_t *x, 
         __m512 s = _mm512_set1_ps(sx[r * nb]), corr = _mm512_set1_ps(shift * sx[r * nb]);
         for (int p = 0; p < 2; p++) {
             __m512 sum = _mm512_add_ps(a[r][p][0], a[r][p][1]);
-            __m512 t = _mm512_fmadd_ps(_mm512_sub_ps(sum, corr), sc[p], _mm512_loadu_ps(tot + UNIT * r + 16 * p));
+            if (sub)
+                sum = _mm512_sub_ps(sum, corr);
+            __m512 t = _mm512_fmadd_ps(sum, sc[p], _mm512_loadu_ps(tot + UNIT * r + 16 * p));
             if (has_min)
                 t = _mm512_fmadd_ps(mn[p], s, t);
             _mm512_storeu_ps(tot + UNIT * r + 16 * p, t);
@@ -76,6 +96,7 @@ static void run_row(const uint16_t *x, const qdesc *qd, const uint16_t *bias, in
     qdesc q = *qd;
     int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;
     float *sx = block_sums(x, 1, bf * q.nb, q.nb, bf);
+    int sub = own_shift(&q);
     #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
     {
         __attribute__((aligned(64))) float tot[UNIT];
@@ -105,10 +126,15 @@ static void run_row(const uint16_t *x, const qdesc *qd, const uint16_t *bias, in
                     for (int c = 0; c < q.bkk / 2; c++)
                         row1_chunk(buf + 4 * c, xb, c, a);
                 }
-                block_scales(&q, rec, sc, mn);
+                kernel_scales(&q, rec, sc, mn);
                 __m512 corr = _mm512_set1_ps(q.shift * sx[b]), s = _mm512_set1_ps(sx[b]);
-                t0 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_add_ps(a[0][0], a[0][1]), corr), sc[0], t0);
-                t1 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_add_ps(a[1][0], a[1][1]), corr), sc[1], t1);
+                __m512 s0 = _mm512_add_ps(a[0][0], a[0][1]), s1 = _mm512_add_ps(a[1][0], a[1][1]);
+                if (sub) {
+                    s0 = _mm512_sub_ps(s0, corr);
+                    s1 = _mm512_sub_ps(s1, corr);
+                }
+                t0 = _mm512_fmadd_ps(s0, sc[0], t0);
+                t1 = _mm512_fmadd_ps(s1, sc[1], t1);
                 if (q.has_min) {
                     t0 = _mm512_fmadd_ps(mn[0], s, t0);
                     t1 = _mm512_fmadd_ps(mn[1], s, t1);
@@ -130,11 +156,16 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
         return;
     }
     int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;
-    float *sx = block_sums(x, m, ldx, q.nb, bf);
+    int64_t tiles = (m + MR - 1) / MR, base = m / tiles, extra = m % tiles;   // tiles of base or base + 1 rows
+    int sub = own_shift(&q);
+    float *sx = malloc(sizeof(float) * (size_t)(m * q.nb));                   // [M, NB] block sums of x
     #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
     {
         __m512bh buf[32];
         float *tot = aligned_alloc(64, sizeof(float) * UNIT * (size_t)((m + MR - 1) / MR * MR));
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            row_block_sums(x + r * ldx, q.nb, bf, sx + r * q.nb);
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             memset(tot, 0, sizeof(float) * UNIT * (size_t)m);
@@ -143,14 +174,15 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
                 __m512 sc[2], mn[2];
                 prefetch_ahead(rec, q.record);
                 expand(rec, q.kind, q.bkk, q.table, q.high, buf);
-                block_scales(&q, rec, sc, mn);
-                for (int64_t r0 = 0; r0 < m; r0 += MR) {
+                kernel_scales(&q, rec, sc, mn);
+                for (int64_t t = 0, r0 = 0; t < tiles; t++) {
+                    int mr = (int)(base + (t < extra));
                     const uint16_t *xr = x + r0 * ldx + b * bf;
                     const float *sxr = sx + r0 * q.nb + b;
                     float *tr = tot + UNIT * r0;
                     // a constant row count per call: the accumulators stay in registers
-                    #define ROWS(R) rows_block(xr, ldx, R, q.bkk, buf, sc, mn, q.has_min, q.shift, sxr, q.nb, tr)
-                    switch (m - r0 < MR ? m - r0 : MR) {
+                    #define ROWS(R) rows_block(xr, ldx, R, q.bkk, buf, sc, mn, q.has_min, sub, q.shift, sxr, q.nb, tr)
+                    switch (mr) {
                         case 1: ROWS(1); break;
                         case 2: ROWS(2); break;
                         case 3: ROWS(3); break;
@@ -159,6 +191,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
                         default: ROWS(MR);
                     }
                     #undef ROWS
+                    r0 += mr;
                 }
             }
             store_unit(tot, m, bias, n, u * UNIT, y, ldy, out_f32);

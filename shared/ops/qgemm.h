@@ -112,18 +112,23 @@ static inline void block_scales(const qdesc *q, const uint8_t *rec, __m512 *sc, 
     }
 }
 
-// sx [M, NB]: each row's sum of x over each block, in one fixed order per row (malloc'd; the caller frees it).
+// out [NB]: one row's sum of x over each block, in one fixed order (the same whatever the call's other rows).
+static inline void row_block_sums(const uint16_t *xr, int64_t nb, int64_t bf, float *out) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint16_t *xb = xr + b * bf;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < bf; i += 16)
+            acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + i))), 16)));
+        out[b] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+// sx [M, NB]: each row's sums (row_block_sums; malloc'd, the caller frees it).
 static inline float *block_sums(const uint16_t *x, int64_t m, int64_t ldx, int64_t nb, int64_t bf) {
     float *sx = malloc(sizeof(float) * (size_t)(m * nb));
     for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const uint16_t *xb = x + r * ldx + b * bf;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t i = 0; i < bf; i += 16)
-                acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + i))), 16)));
-            sx[r * nb + b] = _mm512_reduce_add_ps(acc);
-        }
+        row_block_sums(x + r * ldx, nb, bf, sx + r * nb);
     return sx;
 }
 
