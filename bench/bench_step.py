@@ -66,12 +66,15 @@ def timed_parts(eng) -> dict[str, float]:
     return totals
 
 
-def run(eng, batch: int, steps: int, parts: dict[str, float] | None) -> float:
+def run(eng, batch: int, steps: int, parts: dict[str, float] | None, workload: str = "generate") -> tuple[float, float]:
+    """-> (seconds a step, tokens a sequence makes a step)."""
     from bench.bench_generate import PROMPTS
+    from bench.workloads import WORKLOADS
     from shared.sampling_params import SamplingParams
     from shared.tokenizer import Tokenizer
     tok = Tokenizer(eng.model_path)
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    prompts = PROMPTS if workload == "generate" else WORKLOADS[workload]
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     k = eng.cfg.num_speculative_tokens if eng.proposer is not None else 0      # up to K + 1 tokens a step
     params = SamplingParams(temperature=0, max_tokens=steps * (k + 1) + 20, ignore_eos=True)
     for i in range(batch):
@@ -80,15 +83,17 @@ def run(eng, batch: int, steps: int, parts: dict[str, float] | None) -> float:
         eng.step()
     if parts is not None:
         parts.clear()
+    made = sum(len(s.output_ids) for s in eng.scheduler.running)
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     wall = (time.perf_counter() - t) / steps
+    made = sum(len(s.output_ids) for s in eng.scheduler.running) - made
     if parts is not None:
         parts.update(frozen=dict(parts))                      # the timed steps only, not the drain below
     while eng.has_unfinished():
         eng.step()
-    return wall
+    return wall, made / (steps * batch)
 
 
 def main() -> None:
@@ -104,6 +109,8 @@ def main() -> None:
     ap.add_argument("--speculative", default=None, help="a proposer inside the engine, e.g. "
                     "eagle:models/eagle-smollm2-135m (steps then verify its drafts)")
     ap.add_argument("--k", type=int, default=4, help="K with --speculative")
+    ap.add_argument("--workload", default="generate", choices=["generate", "chat", "grounded", "mixed"],
+                    help="prompts: bench_generate's, or bench/workloads.py's (grounded: answers that copy the prompt)")
     ap.add_argument("--tree-nodes", type=int, default=None, help="draft tree nodes with --speculative")
     a = ap.parse_args()
 
@@ -118,16 +125,17 @@ def main() -> None:
                                     dequantise_gguf=a.dequantise_gguf,
                                     int8_activations=a.int8_activations))
     out = {}
-    plains = {b: run(eng, b, a.steps, None) for b in a.batch}       # untimed first, then with the clocks on
+    plains = {b: run(eng, b, a.steps, None, a.workload) for b in a.batch}   # untimed first, then clocked
     parts = timed_parts(eng)
     for b in a.batch:
-        plain = plains[b]
-        clocked = run(eng, b, a.steps, parts)
+        plain, tau = plains[b]
+        clocked, _ = run(eng, b, a.steps, parts, a.workload)
         per = {k: 1e3 * v / a.steps for k, v in parts.pop("frozen").items()}
-        out[f"batch_{b}"] = {"step_ms": 1e3 * plain, "step_ms_clocked": 1e3 * clocked, "parts_ms": per}
+        out[f"batch_{b}"] = {"step_ms": 1e3 * plain, "step_ms_clocked": 1e3 * clocked, "tokens_per_step": tau,
+                             "parts_ms": per}
         layers = per.get("decoder layers (all)", 0.0)
         inside = per.get("attention block (all)", 0.0) + per.get("mlp (gate_up, silu, down)", 0.0)
-        print(f"\nbatch {b}: step {1e3 * plain:.2f} ms; clocked {1e3 * clocked:.2f} ms")
+        print(f"\nbatch {b}: step {1e3 * plain:.2f} ms ({tau:.2f} tokens a sequence); clocked {1e3 * clocked:.2f} ms")
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
             print(f"  {k:34}{v:8.2f} ms")
         attn_rest = per.get("attention block (all)", 0) - per.get("qkv + o projections", 0)

@@ -42,9 +42,10 @@ def prefill_itl_stretch() -> Any:
 
 
 def speculation_guard() -> Any:
-    return option(False, "the targets time their speculative and plain decode steps (per token, per batch size) and "
-                         "speculate only while that is the cheaper, trying the other kind every 16 steps; requests "
-                         "that set their own num_speculative_tokens are left as they ask")
+    return option(False, "the targets time their decode steps with and without the draft's proposals (per token, per "
+                         "batch size) and ask for drafts only while that is the cheaper, trying the other kind every "
+                         "16 steps; prompt lookup drafts the text that repeats in both; requests that set their own "
+                         "num_speculative_tokens are left as they ask")
 
 
 def lookup_speculation() -> Any:

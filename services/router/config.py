@@ -28,6 +28,10 @@ class RouterConfig(options.TLS):
                                               "many requests are in flight here, itself included; above it, it "
                                               "decodes plainly on the target (on a busy batch the relay and the "
                                               "verification rows cost more than speculation saves); 0 = always")
+    lookup_speculation: bool = option(False, "the targets draft by prompt lookup the requests sent without a draft "
+                                             "service (their --lookup-speculation): a request alone sent so still "
+                                             "speculates, so one that asks for num_speculative_tokens 0 measures "
+                                             "plain decoding, not the speculation guard's side without drafts")
     prefill_target: str | None = option(None, "prefill-only target addresses, comma-separated (prefill/decode "
                                               "disaggregation): a prompt of at least one full KV block is first "
                                               "computed on one of them, which hands its blocks over (see "

@@ -45,7 +45,8 @@ class Frontend:
         self.in_flight = 0
         self.draining = False                                # set on SIGTERM: new requests are refused
         self.load = {t.address: 0 for t in [*targets, *self.prefill]}   # requests open here on each replica
-        self.guard = SpeculationGuard()                      # does speculation pay here, for a request alone
+        # does speculation pay here, for a request alone
+        self.guard = SpeculationGuard(lookup_at_targets=cfg.lookup_speculation)
         self.placement = Placement(registry)                 # registry lookups on their own threads
 
     async def choose_target(self, ids: list[int], salt: str, tried: list[TargetClient] = ()) -> TargetClient:
@@ -289,7 +290,8 @@ class Frontend:
                     done = all(c.finish_reason is not None for c in choices)
                     if done and alone and first is not None and self.in_flight == 1:   # alone throughout: a sample
                         self.guard.record(draft is not None, len(choices[0].token_ids) - 1, last - first,
-                                          own_choice=params.num_speculative_tokens is not None)
+                                          own_choice=params.num_speculative_tokens is not None,
+                                          asked_plain=params.num_speculative_tokens == 0)
                     if out or done:
                         yield StreamChunk(out, len(ids), sum(len(c.token_ids) for c in choices), cached, done,
                                           sum(d for d, _ in spec.values()), sum(a for _, a in spec.values()))

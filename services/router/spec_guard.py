@@ -4,10 +4,11 @@ without, and speculation only while it has been at least as fast.
 A draft round costs a proposal in the draft service, a Verify round trip and a verification of several rows; on some
 CPUs (a slow dot product, fast memory) that costs more than the tokens it saves, and then plain decoding is faster
 for a single stream. The router measures both sides on live traffic: requests that give `num_speculative_tokens`
-themselves are measured as they ran; the others speculate while the speculative rate is at least the plain rate,
-and every `explore_every`-th of them takes the other side so that both rates stay current (every
-RARE x `explore_every`-th while one side is CLEAR_MARGIN times faster: exploring a clear loser costs throughput),
-unless requests that set their own K measured that side meanwhile.
+themselves are measured as they ran (but K = 0 where the targets draft the requests sent without a draft service
+by prompt lookup: that side speculates too, and a plain request says nothing about it); the others speculate while
+the speculative rate is at least the plain rate, and every `explore_every`-th of them takes the other side so that
+both rates stay current (every RARE x `explore_every`-th while one side is CLEAR_MARGIN times faster: exploring a
+clear loser costs throughput), unless requests that set their own K measured that side meanwhile.
 """
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ CLEAR_MARGIN, RARE = 1.25, 4    # a side this many times faster: the other is ex
 
 
 class SpeculationGuard:
-    def __init__(self, explore_every: int = 8, alpha: float = 0.3, min_tokens: int = 16) -> None:
+    def __init__(self, explore_every: int = 8, alpha: float = 0.3, min_tokens: int = 16,
+                 lookup_at_targets: bool = False) -> None:
         self.explore_every, self.alpha, self.min_tokens = explore_every, alpha, min_tokens
+        # the targets draft by prompt lookup what is sent without drafts: a client's K = 0 is not that side
+        self.lookup_at_targets = lookup_at_targets
         self.rate: dict[bool, float | None] = {True: None, False: None}      # tokens/s, with drafts / without
         self.decisions = 0
         # the decision count at the last measurement of each side by a request that chose it itself
@@ -39,10 +43,12 @@ class SpeculationGuard:
             return not better            # the other side, now and then (rarely when far behind), unless requests
         return better                    # that chose it themselves measured it since
 
-    def record(self, drafts: bool, tokens: int, seconds: float, own_choice: bool = False) -> None:
+    def record(self, drafts: bool, tokens: int, seconds: float, own_choice: bool = False,
+               asked_plain: bool = False) -> None:
         """A request that ran alone: `tokens` decoded after its first one, in `seconds`; own_choice: its K was the
-        client's, not this guard's."""
-        if tokens < self.min_tokens or seconds <= 0:
+        client's, not this guard's; asked_plain: that K was 0, which measures the side without drafts only where
+        the targets do not draft such requests by lookup."""
+        if tokens < self.min_tokens or seconds <= 0 or (asked_plain and self.lookup_at_targets):
             return
         if own_choice:
             self.measured[drafts] = self.decisions

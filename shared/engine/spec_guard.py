@@ -4,9 +4,11 @@ A verification step carries a sequence's drafts as extra rows. Where the target'
 one row, those rows come nearly free and speculation pays; where they are bound by arithmetic (small CPUs, packed
 4-bit layers on AVX2) a step of six rows can cost close to six plain steps, and speculation loses. Which case holds
 depends on the machine, the weights and the load, so the engine measures it: for each number of decoding sequences,
-the seconds per emitted token of speculative steps and of plain steps (the ratio of exponential averages of a step's
-seconds and of its tokens), and it speculates while that is the cheaper. Every PROBE_EVERY steps it takes the
-other kind, so both figures stay current (every RARE x PROBE_EVERY while one kind is CLEAR_MARGIN times cheaper).
+the seconds per emitted token of steps that ask the proposer for drafts and of steps that do not (the ratio of
+exponential averages of a step's seconds and of its tokens), and it asks while that is the cheaper. Every
+PROBE_EVERY steps it takes the other kind, so both figures stay current (every RARE x PROBE_EVERY while one kind is
+CLEAR_MARGIN times cheaper). Where the proposer drafts by prompt lookup alone too (a target's mux), steps of both
+kinds get lookup's chains for the text that repeats: the guard weighs the draft service against lookup alone.
 
 Only steps whose sequences all decode count (a prefill's rows would swamp them). Greedy output is the same either way
 and sampled output keeps its distribution, so the choice changes speed only.
@@ -23,7 +25,7 @@ WEIGHT = 0.1           # weight of a new step in the averages: about the last 10
 
 @dataclass(slots=True)
 class SpecGuard:
-    # (decoding seqs, speculated) -> (seconds a step, tokens a step), exponential averages. Their ratio is the cost
+    # (decoding seqs, drafted) -> (seconds a step, tokens a step), exponential averages. Their ratio is the cost
     # of a token: an average of each step's seconds / tokens would count a step that emitted one token as heavily
     # as one that emitted six, and so overstate speculation's cost (the mean of 1 / t exceeds 1 / the mean of t).
     averages: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
@@ -31,7 +33,7 @@ class SpecGuard:
 
     @property
     def cost(self) -> dict[tuple[int, bool], float]:
-        """(decoding seqs, speculated) -> seconds a token."""
+        """(decoding seqs, drafted) -> seconds a token."""
         return {key: self._cost(key) for key in self.averages}
 
     def _cost(self, key: tuple[int, bool]) -> float | None:
@@ -39,7 +41,7 @@ class SpecGuard:
         return None if found is None else found[0] / found[1]
 
     def speculate(self, seqs: int) -> bool:
-        """Whether the coming step, with `seqs` sequences decoding, should speculate."""
+        """Whether the coming step, with `seqs` sequences decoding, should ask the proposer for drafts."""
         self.steps += 1
         spec, plain = self._cost((seqs, True)), self._cost((seqs, False))
         probe = self.steps % PROBE_EVERY == 0
@@ -51,11 +53,11 @@ class SpecGuard:
             probe = self.steps % (RARE * PROBE_EVERY) == 0
         return (spec <= plain) != probe
 
-    def observe(self, seqs: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """A decode step of `seqs` sequences took `seconds` and emitted `tokens`."""
+    def observe(self, seqs: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """A decode step of `seqs` sequences (that asked the proposer or not) took `seconds`, emitted `tokens`."""
         if tokens <= 0:
             return
-        key = (seqs, speculated)
+        key = (seqs, drafted)
         old = self.averages.get(key)
         self.averages[key] = (seconds, float(tokens)) if old is None else (
             old[0] + WEIGHT * (seconds - old[0]), old[1] + WEIGHT * (tokens - old[1]))

@@ -42,36 +42,47 @@ class SpeculationMixin:
         running = sched.running
         return len(running) if running and all(s.num_uncomputed == 1 for s in running) else 0
 
-    def _propose_step(self) -> int:
-        """Drafts for this step where the proposer is active, the speculation guard permitting -> the number of
-        decoding sequences the guard measures this step (0: none)."""
+    def _propose_step(self) -> tuple[int, bool]:
+        """Drafts for this step where the proposer is active, the speculation guard permitting -> (the number of
+        decoding sequences the guard measures this step (0: none), whether the guard let the proposer draft)."""
         guarded = self._guarded_decodes()
+        drafting = not guarded or self.spec_guard.speculate(guarded)
         if self.proposer is not None and getattr(self.proposer, "active", True):
-            self._propose(plain_default=bool(guarded) and not self.spec_guard.speculate(guarded))
-        return guarded
+            self._propose(plain_default=not drafting)
+        return guarded, drafting
 
     def _propose(self, plain_default: bool = False) -> None:
-        """Drafts for the running sequences that speculate this step; `plain_default`: the speculation guard chose a
-        plain step, so requests that did not set their own K decode plainly."""
+        """Drafts for the running sequences that speculate this step; `plain_default`: the speculation guard kept
+        this step from the proposer, so requests that did not set their own K get prompt lookup's chains alone
+        where the proposer has them (a target's mux: the text that repeats costs no draft service), else decode
+        plainly."""
         limit = self.cfg.speculative_max_seqs
         if limit and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
             # a big batch: verifying drafts costs more than it saves (plain steps); sequences waiting join the next
             # step, which would be plain, and a proposal now would keep them waiting for it (a burst's first one)
             return
-        seqs, ks = [], []
+        lookup = getattr(self.proposer, "propose_lookup", None)
+        seqs, ks, looked, looked_ks = [], [], [], []
         for seq in self.scheduler.running:
-            if plain_default and seq.params.num_speculative_tokens is None:
+            default_k = seq.params.num_speculative_tokens is None
+            if plain_default and default_k and lookup is None:
                 continue
             if seq.num_uncomputed == 1 and not seq.spec_tokens and seq.num_output_tokens > 0:
                 k = self._spec_k(seq)
-                if k:
+                if k and plain_default and default_k:
+                    looked.append(seq)
+                    looked_ks.append(k)
+                elif k:
                     seqs.append(seq)
                     ks.append(k)
-        if not seqs:
+        if not seqs and not looked:
             return
-        with telemetry.span_in("propose", telemetry.traced_contexts(seqs), {"upesi.seqs": len(seqs)}):
-            proposals = self.proposer.propose(seqs, ks)
-        for seq, (tokens, probs, parents) in zip(seqs, proposals):
+        with telemetry.span_in("propose", telemetry.traced_contexts(seqs + looked),
+                               {"upesi.seqs": len(seqs) + len(looked)}):
+            proposals = self.proposer.propose(seqs, ks) if seqs else []
+            if looked:
+                proposals = list(proposals) + list(lookup(looked, looked_ks))
+        for seq, (tokens, probs, parents) in zip(seqs + looked, proposals):
             if is_chain(parents):
                 parents = None
             elif not seq.drafts_trees():

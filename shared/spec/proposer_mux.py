@@ -11,7 +11,8 @@ proposer and reach the draft with its next exchange.
 With `lookup_unbound` (the target's `--lookup-speculation`), requests that have no proposer at all (the router sent
 them without a draft service: its guard or the load kept them from one) are drafted by the same lookup: a text that
 repeats its context still gets chains, with no draft service involved. A request that asks for no speculation
-(num_speculative_tokens 0) never reaches the proposer.
+(num_speculative_tokens 0) never reaches the proposer. `propose_lookup` drafts by lookup alone: the steps the
+target's speculation guard keeps from the draft services.
 """
 from __future__ import annotations
 
@@ -60,15 +61,30 @@ class ProposerMux:
     def _all(self) -> list[Proposer]:
         return ([self.local] if self.local is not None else []) + list(self.streams.values())
 
+    def _looks_up(self, p: Proposer | None) -> bool:
+        """Whether lookup first serves a sequence whose proposer is `p`: a stream's, or none with lookup_unbound."""
+        return hasattr(p, "start_propose") or (p is None and self.lookup_unbound)
+
+    def _lookup(self, seqs: list[Sequence], ks: list[int], proposers: list[Proposer | None],
+                out: list[Proposal]) -> set[int]:
+        """Lookup chains into `out` for the sequences lookup first serves -> the indices it drafted."""
+        served = [i for i, p in enumerate(proposers) if self._looks_up(p)]
+        chains = self.lookup.chains([seqs[i] for i in served], [ks[i] for i in served])
+        for j, chain in chains.items():
+            out[served[j]] = Proposal(chain)
+        return {served[j] for j in chains}
+
+    def propose_lookup(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Prompt lookup's chains alone, no draft service or local proposer asked: a step the speculation guard
+        keeps from the draft still drafts the text that repeats (shared.engine.speculation)."""
+        out: list[Proposal] = [NO_PROPOSAL] * len(seqs)
+        self._lookup(seqs, ks, [self._of(s) for s in seqs], out)
+        return out
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         out: list[Proposal] = [NO_PROPOSAL] * len(seqs)
         proposers = [self._of(s) for s in seqs]
-        streamed = [i for i, p in enumerate(proposers)
-                    if hasattr(p, "start_propose") or (p is None and self.lookup_unbound)]
-        chains = self.lookup.chains([seqs[i] for i in streamed], [ks[i] for i in streamed])
-        looked_up = {streamed[j] for j in chains}
-        for j, chain in chains.items():
-            out[streamed[j]] = Proposal(chain)
+        looked_up = self._lookup(seqs, ks, proposers, out)
         groups: dict[int, tuple[Proposer, list[int]]] = {}
         for i, p in enumerate(proposers):
             if p is not None and i not in looked_up:

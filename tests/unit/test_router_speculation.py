@@ -68,6 +68,19 @@ def test_a_side_that_clients_measure_themselves_is_not_explored():
     assert [g.use_drafts() for _ in range(8)].count(False) == 2       # no plain requests now: explored again
 
 
+def test_plain_requests_do_not_measure_a_side_that_drafts_by_lookup():
+    """Where the targets draft by prompt lookup the requests sent without a draft service, a client's K = 0 request
+    measures plain decoding, not that side: it is not recorded (and the side is explored as if unmeasured)."""
+    from services.router.spec_guard import SpeculationGuard
+    for lookup in (False, True):
+        g = SpeculationGuard(explore_every=4, alpha=1.0, lookup_at_targets=lookup)
+        g.record(True, 110, 1.0)
+        g.record(False, 100, 1.0, own_choice=True, asked_plain=True)
+        assert (g.rate[False] is None) == lookup
+        g.record(False, 200, 1.0, own_choice=True)                  # a client's own K > 0 sent without drafts: kept
+        assert g.rate[False] == 200
+
+
 def test_router_follows_the_guard_for_a_request_alone_only():
     f = frontend(1)
     f.in_flight = 1

@@ -116,3 +116,22 @@ def test_without_the_guard_nothing_is_measured(tmp_path):
     eng.spec_guard = seen = Fixed(False)
     assert eng.generate([PROMPT], params)[0][0] == greedy
     assert prop.asked and seen.seen == []
+
+
+def test_a_step_kept_from_the_proposer_still_drafts_by_lookup(tmp_path):
+    """The guard decides about the proposer (a draft service, a head), not about prompt lookup: where the proposer
+    drafts by lookup alone too (a target's mux), a step the guard keeps plain still gets lookup's chains for the
+    text that repeats, and is measured as a step without the proposer."""
+    from shared.spec.proposer_mux import ProposerMux
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
+                                 num_speculative_tokens=4, speculation_guard=True))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    greedy = eng.generate([PROMPT], params)[0][0]
+    eng.proposer = ProposerMux(None, lookup_n=1, lookup_unbound=True)
+    eng.spec_guard = plain = Fixed(False)
+    assert eng.generate([PROMPT], params)[0][0] == greedy
+    assert eng.stats_draft > 0 and eng.stats_accepted > 0                  # lookup drafted and was verified
+    assert plain.seen and all(not s[1] for s in plain.seen)                # each a step without the proposer
+    assert any(s[2] > 1 for s in plain.seen)                               # ... some of them several tokens
+    assert eng.block_manager.num_used_blocks == 0
