@@ -155,6 +155,51 @@ static inline void store_unit(const float *tot, int64_t m, const uint16_t *bias,
     }
 }
 
+// Two expanded pairs of one panel's 16 columns (lane c: features 2kk, 2kk + 1 of column c) -> their dequantised
+// bf16 weights in the same order, each rounded once from w = (e - shift) * scale + min.
+static inline __m512i dequant_pair(__m512i v, __m512 shift, __m512 sc, __m512 mn, __m512i interleave) {
+    const __m512i high_half = _mm512_set1_epi32((int32_t)0xFFFF0000);
+    __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+    __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(lo, shift), sc, mn);
+    __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(hi, shift), sc, mn);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));   // w0 c, w1 c side by side
+}
+
+// The unit's codes -> pan [2][KK][32] bf16: panel p, pair kk holds (w[16p + l, 2kk], w[16p + l, 2kk + 1]) (the
+// panels of rows_gemm_bf16.c and rows_gemm_amx.c, which the wide kernels multiply).
+// Kinds 5 and 4 are dequantised straight from their expanded chunks; the others through expand's buffer.
+static inline void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pan, int64_t kk_n) {
+    const __m512 shift = _mm512_set1_ps(q->shift);
+    static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_loadu_si512((const void *)order);    // word 2c <- c, 2c + 1 <- 16 + c
+    __m512bh buf[32];
+    for (int64_t b = 0; b < q->nb; b++, rec += q->record) {
+        __m512 sc[2], mn[2];
+        block_scales(q, rec, sc, mn);
+        uint16_t *out = pan + b * q->bkk * 32;
+        for (int c = 0; c < q->bkk / 2 && (q->kind == 5 || q->kind == 4); c++) {
+            __m512bh w[4];                                 // pairs 2c, 2c + 1 of both panels
+            __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * c));
+            if (q->kind == 5)
+                chunk5(v, w);
+            else
+                chunk4(v, q->table, q->high, w);
+            for (int j = 0; j < 4; j++)
+                _mm512_store_si512((void *)(out + ((j % 2) * kk_n + 2 * c + j / 2) * 32),
+                                   dequant_pair((__m512i)w[j], shift, sc[j % 2], mn[j % 2], interleave));
+        }
+        if (q->kind == 5 || q->kind == 4)
+            continue;
+        expand(rec, q->kind, q->bkk, q->table, q->high, buf);
+        for (int p = 0; p < 2; p++)
+            for (int kk = 0; kk < q->bkk; kk++)
+                _mm512_store_si512((void *)(out + (p * kk_n + kk) * 32),
+                                   dequant_pair((__m512i)buf[2 * kk + p], shift, sc[p], mn[p], interleave));
+    }
+}
+
 // A kernel file's two entry points around its static run(): bf16 output, with the call of rows_gemm_bf16.c so the
 // fused decoder takes it, and fp32 output (not rounded).
 #define QGEMM_ENTRY_POINTS(bf16_name, f32_name)                                                                   \

@@ -36,7 +36,8 @@ from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS, GEMM_ARGS
 
 log = logging.getLogger(__name__)
 WIDE_ROWS = 128           # bf16 calls of this many rows or more: dequantise for the call, then a bf16 matmul
-FUSED_MAX_ROWS = 1536     # up to this many, on AMX, fused (qgemm_amx_wide.c: 1.2-1.7x at 256-1024 rows, even at 2048)
+FUSED_MAX_ROWS = 1536     # up to this many fused (AMX: 1.2-1.7x at 256-1024 rows, even at 2048; AVX512-BF16: 1.33x
+                          # at 128 rows, 1.08x at 512, 1.03x at 2000)
 
 __all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", "kernel_address", "linear", "run",
            "split_bf16"]
@@ -44,6 +45,7 @@ __all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", 
 SOURCE = Path(__file__).with_suffix(".c")
 AMX_SOURCE = SOURCE.with_name("qgemm_amx.c")              # compiled with the bf16 rows kernels' flags
 WIDE_SOURCE = SOURCE.with_name("qgemm_amx_wide.c")
+WIDE_AVX512_SOURCE = SOURCE.with_name("qgemm_wide.c")
 
 
 @functools.cache
@@ -80,14 +82,20 @@ def _amx_lib() -> ctypes.CDLL | None:
 
 @functools.cache
 def _wide_fn() -> ctypes._CFuncPtr | None:
-    """qgemm_amx_wide.c's bf16 call where the quantised kernel here is AMX's and the fused call agrees with the
-    dequantised weight's matmul; else None (wide calls dequantise, then call torch)."""
-    if kernel_name() != "amx":                            # its library has asked for the AMX tile state
+    """The fused dequantise-GEMM's bf16 call of this machine's quantised kernel (qgemm_amx_wide.c beside AMX's,
+    qgemm_wide.c beside AVX512-BF16's) where it agrees with the dequantised weight's matmul; else None (wide calls
+    dequantise, then call torch)."""
+    name = kernel_name()
+    if name == "amx":                                     # its library has asked for the AMX tile state
+        lib = c_build.load_or_none(WIDE_SOURCE, AMX_FLAGS, "UPESI_QGEMM", "AMX fused dequantise-GEMM")
+        fn = None if lib is None else lib.upesi_qgemm_amx_wide
+    elif name == "avx512-bf16":
+        lib = c_build.load_or_none(WIDE_AVX512_SOURCE, FLAGS, "UPESI_QGEMM", "fused dequantise-GEMM")
+        fn = None if lib is None else lib.upesi_qgemm_wide
+    else:
         return None
-    lib = c_build.load_or_none(WIDE_SOURCE, AMX_FLAGS, "UPESI_QGEMM", "AMX fused dequantise-GEMM")
-    if lib is None:
+    if fn is None:
         return None
-    fn = lib.upesi_qgemm_amx_wide
     fn.argtypes, fn.restype = GEMM_ARGS, None
     g = torch.Generator().manual_seed(0)
     for kind, block, has_min in (("u4", 32, True), ("e2m1", 16, False), ("u6", 16, True), ("i8", 32, False)):
@@ -95,7 +103,7 @@ def _wide_fn() -> ctypes._CFuncPtr | None:
         x = torch.randn(21, 96, generator=g).bfloat16()
         want = x.float() @ dequantise_bf16(w).float()
         if not torch.allclose(_call(x, w, None, torch.bfloat16, (fn, fn)).float(), want, rtol=2e-2, atol=2e-2):
-            log.warning("AMX fused dequantise-GEMM disagrees with its reference here; prefills dequantise instead")
+            log.warning("fused dequantise-GEMM disagrees with its reference here; prefills dequantise instead")
             return None
     return fn
 
@@ -133,9 +141,9 @@ def dequantise_bf16(w: QWeight) -> torch.Tensor:
 
 def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 or fp32 on CPU -> x @ W^T (+ bias) [M, N] in x's dtype. bf16 calls of WIDE_ROWS rows or more
-    (a prefill's chunk) multiply the weight dequantised to bf16: on AMX up to FUSED_MAX_ROWS rows fused, unit by
-    unit (qgemm_amx_wide.c), else dequantised for the call and multiplied with torch's bf16 matmul; their results
-    then round each weight to bf16 once, as a bf16 copy of the weight would.
+    (a prefill's chunk) multiply the weight dequantised to bf16: up to FUSED_MAX_ROWS rows fused, unit by unit
+    (qgemm_amx_wide.c on AMX, qgemm_wide.c on AVX512-BF16), else dequantised for the call and multiplied with
+    torch's bf16 matmul; their results then round each weight to bf16 once, as a bf16 copy of the weight would.
     Without the AVX512-BF16 kernels every call takes the AVX2 fp32 path."""
     if x.stride(-1) != 1:
         x = x.contiguous()
