@@ -36,8 +36,8 @@ from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS, GEMM_ARGS
 
 log = logging.getLogger(__name__)
 WIDE_ROWS = 128           # bf16 calls of this many rows or more: dequantise for the call, then a bf16 matmul
-FUSED_MAX_ROWS = 1536     # up to this many fused (AMX: 1.2-1.7x at 256-1024 rows, even at 2048; AVX512-BF16: 1.33x
-                          # at 128 rows, 1.08x at 512, 1.03x at 2000)
+FUSED_MAX_ROWS = 1536     # on AMX up to this many fused (1.2-1.7x at 256-1024 rows, even at 2048); AVX512-BF16's
+                          # fused kernel at any count (1.33x at 128 rows, 1.08x at 512, 1.05-1.1x at 2048)
 
 __all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", "kernel_address", "linear", "run",
            "split_bf16"]
@@ -121,6 +121,12 @@ def _call(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, out: torch.dty
     return y
 
 
+def fused_max_rows() -> int:
+    """The most rows a call multiplies fused (the rest dequantise, then torch's matmul): FUSED_MAX_ROWS on AMX,
+    any count on AVX512-BF16."""
+    return FUSED_MAX_ROWS if kernel_name() == "amx" else 1 << 62
+
+
 def split_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 -> [3, M, K] bf16 whose sum is x exactly (hi, mid, lo; each the rounded remainder)."""
     hi = x.bfloat16()
@@ -141,8 +147,8 @@ def dequantise_bf16(w: QWeight) -> torch.Tensor:
 
 def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 or fp32 on CPU -> x @ W^T (+ bias) [M, N] in x's dtype. bf16 calls of WIDE_ROWS rows or more
-    (a prefill's chunk) multiply the weight dequantised to bf16: up to FUSED_MAX_ROWS rows fused, unit by unit
-    (qgemm_amx_wide.c on AMX, qgemm_wide.c on AVX512-BF16), else dequantised for the call and multiplied with
+    (a prefill's chunk) multiply the weight dequantised to bf16: fused, unit by unit (qgemm_amx_wide.c on AMX up to
+    FUSED_MAX_ROWS rows, qgemm_wide.c on AVX512-BF16), else dequantised for the call and multiplied with
     torch's bf16 matmul; their results then round each weight to bf16 once, as a bf16 copy of the weight would.
     Without the AVX512-BF16 kernels every call takes the AVX2 fp32 path."""
     if x.stride(-1) != 1:
@@ -150,7 +156,7 @@ def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.
     if _kernels() is None:
         return qgemm_avx2.linear_f32(x.float(), w, bias).to(x.dtype)
     if x.dtype == torch.bfloat16 and x.shape[0] >= WIDE_ROWS:
-        wide = _wide_fn() if w.in_features % 32 == 0 and x.shape[0] <= FUSED_MAX_ROWS else None
+        wide = _wide_fn() if w.in_features % 32 == 0 and x.shape[0] <= fused_max_rows() else None
         if wide is not None:
             return _call(x, w, None if bias is None else bias.to(torch.bfloat16).contiguous(), x.dtype, (wide, wide))
         y = x @ dequantise_bf16(w)

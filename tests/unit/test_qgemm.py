@@ -114,9 +114,9 @@ def test_zero_and_subnormal_blocks() -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wide_bf16_calls_multiply_the_weight_dequantised_to_bf16(fmt: str) -> None:
     """A prefill's chunk (WIDE_ROWS rows or more, bf16): the weight dequantised in C to bf16 (each value the
-    reference's rounded once, up to a fused multiply-add's last bit before it), then torch's bf16 matmul; up to
-    FUSED_MAX_ROWS rows fused, bit for bit the rows kernel of the machine's kind over that bf16 weight (AMX's, or
-    AVX512-BF16's: a partial row tile and a partial pair of units)."""
+    reference's rounded once, up to a fused multiply-add's last bit before it), then torch's bf16 matmul; fused
+    (on AMX up to FUSED_MAX_ROWS rows), bit for bit the rows kernel of the machine's kind over that bf16 weight
+    (AMX's, or AVX512-BF16's: a partial row tile and a partial pair of units)."""
     kind, block, has_min, _ = FORMATS[fmt]
     g = torch.Generator().manual_seed(7)
     n, k = 70, 96                                                  # a partial unit of columns
@@ -131,7 +131,7 @@ def test_wide_bf16_calls_multiply_the_weight_dequantised_to_bf16(fmt: str) -> No
     assert (qgemm._wide_fn() is not None) == (qgemm.kernel_name() in ("amx", "avx512-bf16"))   # self-checks passed
     for m in (qgemm.WIDE_ROWS, qgemm.WIDE_ROWS + 5, qgemm.FUSED_MAX_ROWS + 1):
         x = torch.randn(m, k, generator=g).bfloat16()
-        if qgemm._wide_fn() is not None and m <= qgemm.FUSED_MAX_ROWS:  # fused, as the rows kernel multiplies
+        if qgemm._wide_fn() is not None and m <= qgemm.fused_max_rows():   # fused, as the rows kernel multiplies
             kernel = (rows_gemm_bf16._amx_lib().upesi_rows_gemm_amx if qgemm.kernel_name() == "amx"
                       else rows_gemm_bf16._lib().upesi_rows_gemm_bf16)
             want = rows_gemm_bf16._call(kernel, x, rows_gemm_bf16.pack(got.t().contiguous()), n, bias.bfloat16())
