@@ -132,6 +132,18 @@ static inline float *block_sums(const uint16_t *x, int64_t m, int64_t ldx, int64
     return sx;
 }
 
+// The lanes of 16 columns of which `left` (> 0) are below N, and bias [c .. c + 16) bf16 in fp32 on those lanes
+// (zeros without a bias).
+static inline __mmask16 lanes_below(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 bias16(const uint16_t *bias, int64_t c, __mmask16 msk) {
+    return bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(msk, bias + c)),
+                                                        16))
+                : _mm512_setzero_ps();
+}
+
 // tot [M, 32] fp32 (+ bias [N] bf16) -> y's columns c0 .. c0 + 32 (< n), bf16 rounded to nearest even, or fp32.
 static inline void store_unit(const float *tot, int64_t m, const uint16_t *bias, int64_t n, int64_t c0, void *y,
                               int64_t ldy, int out_f32) {
@@ -139,11 +151,8 @@ static inline void store_unit(const float *tot, int64_t m, const uint16_t *bias,
         int64_t left = n - c0 - 16 * half;
         if (left <= 0)
             break;
-        __mmask16 msk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 bv = _mm512_setzero_ps();
-        if (bias)
-            bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_maskz_loadu_epi16(msk, bias + c0 + 16 * half)), 16));
+        __mmask16 msk = lanes_below(left);
+        __m512 bv = bias16(bias, c0 + 16 * half, msk);
         for (int64_t r = 0; r < m; r++) {
             __m512 v = _mm512_add_ps(_mm512_loadu_ps(tot + UNIT * r + 16 * half), bv);      // bias in fp32
             if (out_f32)

@@ -44,11 +44,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         int64_t left = n - c0 - 16 * p;
         if (left <= 0)
             break;
-        __mmask16 msk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 bv = _mm512_setzero_ps();
-        if (bias)
-            bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_maskz_loadu_epi16(msk, bias + c0 + 16 * p)), 16));
+        __mmask16 msk = lanes_below(left);
+        __m512 bv = bias16(bias, c0 + 16 * p, msk);
         for (int r = 0; r < mr; r++)
             _mm256_mask_storeu_epi16(y + r * ldy + c0 + 16 * p, msk,
                                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][p], bv)));
