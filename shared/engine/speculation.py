@@ -62,19 +62,16 @@ class SpeculationMixin:
             # step, which would be plain, and a proposal now would keep them waiting for it (a burst's first one)
             return
         lookup = getattr(self.proposer, "propose_lookup", None)
-        seqs, ks, looked, looked_ks = [], [], [], []
+        seqs, ks, looked, looked_ks = [], [], [], []      # for the proposer; for lookup alone
         for seq in self.scheduler.running:
-            default_k = seq.params.num_speculative_tokens is None
-            if plain_default and default_k and lookup is None:
+            by_lookup = plain_default and seq.params.num_speculative_tokens is None
+            if by_lookup and lookup is None:
                 continue
             if seq.num_uncomputed == 1 and not seq.spec_tokens and seq.num_output_tokens > 0:
                 k = self._spec_k(seq)
-                if k and plain_default and default_k:
-                    looked.append(seq)
-                    looked_ks.append(k)
-                elif k:
-                    seqs.append(seq)
-                    ks.append(k)
+                if k:
+                    (looked if by_lookup else seqs).append(seq)
+                    (looked_ks if by_lookup else ks).append(k)
         if not seqs and not looked:
             return
         with telemetry.span_in("propose", telemetry.traced_contexts(seqs + looked),
