@@ -331,6 +331,15 @@ AVX512_BF16 static void pv_bf16(const float *w, int64_t nq, int64_t cap, const u
     }
 }
 
+typedef struct {
+    int64_t cost, block;     // rows x positions a block of rows reads; its index
+} block_cost;
+
+static int dearer_first(const void *a, const void *b) {
+    int64_t x = ((const block_cost *)a)->cost, y = ((const block_cost *)b)->cost;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
 void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache,
                            const void *v_cache, const int64_t *block_tables, int64_t mb, int bs,
                            const int64_t *rows, const int64_t *blocks, int64_t nblocks, int h, int kvh, int dh,
@@ -342,6 +351,14 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
     // alone either way (the split changes no result, only which thread computes it).
     int parts = nblocks * kvh < 2 * omp_get_max_threads() ? g : 1, ng = g / parts;
     int64_t work = nblocks * kvh * parts, cap = (max_len > 0 ? max_len : 1) + 8;
+    // Blocks are handed out dearest first (rows x positions they read), one at a time: a long prompt chunk's
+    // blocks beside decodes would otherwise leave one thread waiting on the other.
+    block_cost *order = malloc(sizeof(block_cost) * (size_t)(nblocks > 0 ? nblocks : 1));
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t *d = rows + blocks[b * 2] * 5;
+        order[b] = (block_cost){blocks[b * 2 + 1] * (d[2] + d[(blocks[b * 2 + 1] - 1) * 5 + 3] + 1), b};
+    }
+    qsort(order, (size_t)nblocks, sizeof(block_cost), dearer_first);
     #pragma omp parallel if (work > 1)
     {
         // per row of a block and head: scores over the block's positions [rows, G, cap], q [rows, G, Dh], acc
@@ -353,10 +370,10 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         unsigned char *on = malloc((size_t)cap);                // a tree row: which positions it attends
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)cap);
         float kv[8 * 512];
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < work; w++) {
-            const int64_t *blk = blocks + (w / (kvh * parts)) * 2;   // (first row descriptor, rows): one sequence's
-            const int64_t *d0 = rows + blk[0] * 5;               // rows (row, seq, ctx, j, bits), same ctx
+            const int64_t *blk = blocks + order[w / (kvh * parts)].block * 2;   // (first row descriptor, rows): one
+            const int64_t *d0 = rows + blk[0] * 5;               // sequence's rows (row, seq, ctx, j, bits)
             int64_t nr = blk[1], ctx = d0[2], last_j = 0;
             int grp = (int)(w / parts % kvh), h0 = grp * g + (int)(w % parts) * ng;   // kv head, first query head
             for (int64_t r = 0; r < nr; r++) last_j = d0[r * 5 + 3] > last_j ? d0[r * 5 + 3] : last_j;
@@ -476,4 +493,5 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         free(on);
         free(slots);
     }
+    free(order);
 }
