@@ -159,8 +159,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
 
 
 TILED_ROWS = 8         # prompt chunks of this many rows or more and at least TILED_WORK rows x positions go to the
-TILED_WORK = 8192      # AMX prefill kernel where it runs (2 threads: 16 rows at 3,000 positions 0.74 ms a layer
-                       # against 1.71, at 300 positions 0.09 against 0.18, there the fused decoder's C path wins)
+TILED_WORK = 8192      # prefill kernel on AMX tiles (2 threads: 16 rows at 3,000 positions 0.74 ms a layer against
+                       # 1.71 row by row)
+VECTOR_ROWS = 16       # the same on AVX512-BF16 vectors, from a whole tile of 16 query rows (16 rows at 1,000
+                       # positions 0.19 ms a layer against 0.22; 8 rows at 2,000 0.35 against 0.27)
 ROW_BLOCK = 8          # a sequence's rows per work item (a 9-row verification: blocks of 5 and 4, both threads busy)
 
 
@@ -193,11 +195,12 @@ def row_descriptors(meta: AttentionMetadata, tiled: bool = False) -> tuple[torch
 
 
 def tiled_chunks(meta: AttentionMetadata) -> set[int]:
-    """Sequences of the step whose rows (a prompt chunk of at most MAX_ROWS rows, no tree) pay on the AMX prefill
-    kernel rather than row by row (longer chunks always go there)."""
+    """Sequences of the step whose rows (a prompt chunk of at most MAX_ROWS rows, no tree) pay on the prefill
+    kernel rather than row by row (longer chunks always go there), where it runs for these heads."""
     prompts = meta.prompt_chunks or []
+    least = TILED_ROWS if prefill_attention.on_tiles(64) else VECTOR_ROWS
     return {b for b, (n, length, prompt) in enumerate(zip(meta.query_lens, meta.seq_lens_host, prompts))
-            if prompt and TILED_ROWS <= n <= MAX_ROWS and n * length >= TILED_WORK and b not in meta.tree_masks}
+            if prompt and least <= n <= MAX_ROWS and n * length >= TILED_WORK and b not in meta.tree_masks}
 
 
 def _tree_bits(mask: torch.Tensor) -> list[int]:
@@ -218,7 +221,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1 or q.stride(1) != dh:
         q = q.contiguous()
     out = torch.empty(t, h, dh, dtype=q.dtype)
-    tiled = not softcap and prefill_attention.supports(q, k_cache) and prefill_attention.on_tiles(dh)
+    tiled = not softcap and prefill_attention.supports(q, k_cache)
     rows, blocks, long, longest, widest = row_descriptors(meta, tiled)
     if len(rows):
         bt = meta.block_tables

@@ -60,14 +60,17 @@ static void add_rows(uint16_t *x, const uint16_t *a, int64_t n, int threads) {
 // x [T, D] bf16, in place: the residual stream after every layer (before the final norm).
 // fns [3]: the kernels; dims [9]; layers [L, PER_LAYER] pointers (biases may be 0), the layer's sliding window
 // (0: none) and its GEMMs; cos, sin [T, R] bf16 (R = dims[D_ROTARY], the rotated dims of a head: Dh, or fewer);
-// slots [T]; block_tables [B, MB]; rows [R, 5] and blocks [NB, 2]: shared.ops.cpu_attention's descriptors.
+// slots [T]; block_tables [B, MB]; rows [R, 5] and blocks [NB, 2]: shared.ops.cpu_attention's descriptors of the
+// rows the row kernel takes; chunks [NC, 4] (sequence, first row, rows, positions after the step): prompt chunks
+// the prefill kernel (fns[F_PREFILL]) takes instead.
 void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *layers, float eps, float scale,
                         uint16_t *x, int64_t t, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
                         const int64_t *block_tables, int64_t mb, const int64_t *rows, const int64_t *blocks,
-                        int64_t nblocks, int64_t max_len, int64_t max_rows) {
+                        int64_t nblocks, int64_t max_len, int64_t max_rows, const int64_t *chunks, int64_t nchunks) {
     norm_fn norm = (norm_fn)fns[F_NORM];
     rope_fn rope = (rope_fn)fns[F_ROPE];
     attn_fn attn = (attn_fn)fns[F_ATTN];
+    prefill_fn prefill = (prefill_fn)fns[F_PREFILL];
     int64_t d = dims[D_HIDDEN], inter = dims[D_INTER];
     int h = (int)dims[D_HEADS], kvh = (int)dims[D_KV_HEADS], dh = (int)dims[D_HEAD_DIM], bs = (int)dims[D_BLOCK];
     int threads = (int)dims[D_THREADS], rot = (int)dims[D_ROTARY];
@@ -86,6 +89,12 @@ void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *
         rope(qkv, t, nqkv, h, kvh, dh, rot, cos, sin, (void *)w[K_CACHE], (void *)w[V_CACHE], slots, 1);
         attn(qkv, nqkv, o, nq, (const void *)w[K_CACHE], (const void *)w[V_CACHE], block_tables, mb, bs, rows,
              blocks, nblocks, h, kvh, dh, scale, 1, max_len, max_rows, w[WINDOW], 0.f);
+        for (int64_t c = 0; c < nchunks; c++) {      // its head size was checked before (it returns 0)
+            const int64_t *ch = chunks + 4 * c;
+            prefill(qkv + ch[1] * nqkv, nqkv, o + ch[1] * nq, nq, (const uint16_t *)w[K_CACHE],
+                    (const uint16_t *)w[V_CACHE], block_tables + ch[0] * mb, bs, ch[2], ch[3], h, kvh, dh, scale,
+                    w[WINDOW], threads);
+        }
         g_o(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);
         add_rows(x, a, t * d, threads);
         norm(x, t, d, d, (const void *)w[W_NORM2], eps, nx, 1);

@@ -49,7 +49,7 @@ def _lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.upesi_silu_mul_bf16.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int]
-    lib.upesi_decoder_bf16.argtypes = [_P, _P, _P, _F, _F, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I]
+    lib.upesi_decoder_bf16.argtypes = [_P, _P, _P, _F, _F, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _P, _I]
     for fn in (lib.upesi_silu_mul_bf16, lib.upesi_decoder_bf16):
         fn.restype = None
     return lib
@@ -149,27 +149,33 @@ class DecoderStack:
         self._layers = layers
         self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 17]
         self._run = _lib().upesi_decoder_bf16 if dtype == torch.bfloat16 else decoder_f32._lib().upesi_decoder_f32
+        # prompt chunks of bf16 rows go to the prefill kernel where it runs, as the module path sends them
+        self._chunks = dtype == torch.bfloat16 and prefill_attention.available(head_dim)
         self._fns = torch.tensor([_fn(rms_norm._lib(), "upesi_rms_norm"),
                                   _fn(cpu_attention._lib(), "upesi_rope_store"),
-                                  _fn(cpu_attention._lib(), "upesi_paged_attention")], dtype=torch.int64)
+                                  _fn(cpu_attention._lib(), "upesi_paged_attention"),
+                                  _fn(prefill_attention.kernel(), "upesi_prefill_attention") if self._chunks else 0],
+                                 dtype=torch.int64)
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's rows x [T, D] can go through C: the stack's dtype on CPU, at most MAX_ROWS rows,
-        every sequence's new rows within the attention kernel's limit, no prompt chunk the AMX prefill kernel takes."""
+        every sequence's new rows within the attention kernel's limit."""
         return (x.dtype == self.dtype and 0 < x.shape[0] <= max_rows() and not torch.is_grad_enabled()
-                and meta.max_query_len <= cpu_attention.MAX_ROWS
-                and not (prefill_attention.on_tiles(self.head_dim) and cpu_attention.tiled_chunks(meta)))
+                and meta.max_query_len <= cpu_attention.MAX_ROWS)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, D] (the embeddings), cos / sin [T, R] (R: the rotated dims of a head), all in the stack's dtype ->
         the residual stream after the last layer [T, D] (before the final norm)."""
         x = x.contiguous()                           # updated in place: the caller's embeddings, a fresh tensor
         cos, sin = cos.contiguous(), sin.contiguous()
-        rows, blocks, _, longest, widest = cpu_attention.row_descriptors(meta)
+        rows, blocks, long, longest, widest = cpu_attention.row_descriptors(meta, self._chunks)
+        chunks = torch.tensor([(b, lo, meta.query_lens[b], meta.seq_lens_host[b]) for b, lo in long],
+                              dtype=torch.int64).view(-1, 4)                 # [NC, 4]
         dims = torch.tensor([len(self._layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
                              self.block_size, torch.get_num_threads(), cos.shape[-1]], dtype=torch.int64)
         bt = meta.block_tables
         self._run(self._fns.data_ptr(), dims.data_ptr(), self._ptrs.data_ptr(), self.eps,
                   self.scale, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
-                  bt.data_ptr(), bt.shape[1], rows.data_ptr(), blocks.data_ptr(), len(blocks), longest, widest)
+                  bt.data_ptr(), bt.shape[1], rows.data_ptr(), blocks.data_ptr(), len(blocks), longest, widest,
+                  chunks.data_ptr(), len(chunks))
         return x

@@ -55,11 +55,14 @@ static void add_rows(float *x, const float *a, int64_t n) {
 }
 
 // x [T, D] fp32, in place: the residual stream after every layer (before the final norm). The arguments are
-// decoder_bf16.c's, with fp32 rows, cos, sin and caches.
+// decoder_bf16.c's, with fp32 rows, cos, sin and caches; no chunk goes to the prefill kernel (a bf16 kernel).
 void upesi_decoder_f32(const int64_t *fns, const int64_t *dims, const int64_t *layers, float eps, float scale,
                        float *x, int64_t t, const float *cos, const float *sin, const int64_t *slots,
                        const int64_t *block_tables, int64_t mb, const int64_t *rows, const int64_t *blocks,
-                       int64_t nblocks, int64_t max_len, int64_t max_rows) {
+                       int64_t nblocks, int64_t max_len, int64_t max_rows, const int64_t *chunks,
+                       int64_t nchunks) {
+    (void)chunks;
+    (void)nchunks;
     norm_fn norm = (norm_fn)fns[F_NORM];
     rope_fn rope = (rope_fn)fns[F_ROPE];
     attn_fn attn = (attn_fn)fns[F_ATTN];

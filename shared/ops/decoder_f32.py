@@ -34,7 +34,7 @@ def _lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.upesi_silu_mul_f32.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int]
-    lib.upesi_decoder_f32.argtypes = [_P, _P, _P, _F, _F, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I]
+    lib.upesi_decoder_f32.argtypes = [_P, _P, _P, _F, _F, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _P, _I]
     for fn in (lib.upesi_silu_mul_f32, lib.upesi_decoder_f32):
         fn.restype = None
     return lib

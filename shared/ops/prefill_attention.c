@@ -38,6 +38,9 @@
 
 #define LAZY 8.0f          // a column's reference maximum moves only when the scores pass it by this (base 2)
 #define FLOOR_T (-126.0f)   // exponents (base 2) below this give 2^-126: nothing beside a column's maximum
+#ifndef JIT_PAIRS
+#define JIT_PAIRS 6         // items per KV head up to which each packs its own blocks (prompt chunks beside decodes)
+#endif
 
 #ifdef UPESI_AMX_TILES
 int upesi_prefill_amx_setup(void) { return amx_request(); }
@@ -114,16 +117,28 @@ static inline const uint16_t *key_row(const cache_view *c, const uint16_t *cache
     return cache + (slot * c->kvh + head) * c->dh;
 }
 
-// Block b (32 keys from base + 32 b) of one head: keys into kp, values transposed into vt.
+// The cache lines of keys k .. k + 31 of `heads` heads from `head`, K and V, asked for ahead of their packing.
+static void prefetch_block(const cache_view *c, int64_t k, int head, int heads) {
+    int64_t row = heads * c->dh * 2;                      // bytes of one position's heads
+    for (int64_t j = 0; j < 32 && k + j < c->len; j++) {
+        const char *kr = (const char *)key_row(c, c->k_cache, k + j, head);
+        const char *vr = (const char *)key_row(c, c->v_cache, k + j, head);
+        for (int64_t o = 0; o < row; o += 64) {
+            _mm_prefetch(kr + o, _MM_HINT_T0);
+            _mm_prefetch(vr + o, _MM_HINT_T0);
+        }
+    }
+}
+
+// Block b (32 keys from base + 32 b) of one head: keys into kp [32][Dh], values transposed into vt [Dh][32].
 static void pack_block(const cache_view *c, int head, int64_t b, uint16_t *kp, uint16_t *vt) {
     int64_t dh = c->dh;
     for (int j = 0; j < 32; j++) {
         int64_t k = c->base + 32 * b + j;
-        uint16_t *dst = kp + (32 * b + j) * dh;
-        if (k < c->len)
-            memcpy(dst, key_row(c, c->k_cache, k, head), (size_t)dh * 2);
-        else
-            memset(dst, 0, (size_t)dh * 2);
+        uint16_t *dst = kp + j * dh;
+        const uint16_t *src = k < c->len ? key_row(c, c->k_cache, k, head) : NULL;
+        for (int64_t d = 0; d < dh; d += 32)
+            _mm512_storeu_si512(dst + d, src ? _mm512_loadu_si512(src + d) : _mm512_setzero_si512());
     }
     for (int64_t d0 = 0; d0 < dh; d0 += 16) {
         __m512i r[16];                                    // r[p] = 16 dims' (V[2p][d], V[2p + 1][d])
@@ -139,7 +154,7 @@ static void pack_block(const cache_view *c, int head, int64_t b, uint16_t *kp, u
         }
         transpose16(r);                                   // r[d] = dim d0 + d's 32 keys
         for (int d = 0; d < 16; d++)
-            _mm512_storeu_si512(vt + (b * dh + d0 + d) * 32, r[d]);
+            _mm512_storeu_si512(vt + (d0 + d) * 32, r[d]);
     }
 }
 
@@ -176,8 +191,10 @@ static void start_tile(qtile *t, const uint16_t *q, int64_t ldq, int64_t dh) {
 }
 
 #ifdef UPESI_AMX_TILES
-// S^T of two tiles for one block: the key tiles are loaded once for both, four independent sums per step.
-static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh) {
+// S^T of two tiles for one block: the key tiles are loaded once for both, four independent sums per step (a
+// stand-in second tile is computed too, and ignored).
+static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh, int two) {
+    (void)two;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -199,7 +216,8 @@ static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh) {
 }
 
 // O^T += V^T P^T for two tiles: each V^T chunk (16 dims) loaded once for both.
-static inline void accumulate(qtile *a, qtile *b, const uint16_t *vb, int64_t dh) {
+static inline void accumulate(qtile *a, qtile *b, const uint16_t *vb, int64_t dh, int two) {
+    (void)two;
     _tile_loadd(0, a->p, 64);
     _tile_loadd(1, b->p, 64);
     for (int64_t d = 0; d < dh; d += 32) {
@@ -226,9 +244,29 @@ static inline __m512bh pair_at(const uint16_t *p) {           // a pair of bf16,
     return (__m512bh)_mm512_set1_epi32(v);
 }
 
+// S^T of one tile for one block, 16 keys at a time (each sum in the order of the two-tile loop below).
+static inline void scores1(qtile *a, const uint16_t *ka, int64_t dh) {
+    for (int k0 = 0; k0 < 32; k0 += 16) {
+        __m512 sa[16];
+        for (int j = 0; j < 16; j++)
+            sa[j] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < dh / 2; p++) {
+            __m512bh qa = (__m512bh)_mm512_loadu_si512(a->qt + 32 * p);
+            for (int j = 0; j < 16; j++)
+                sa[j] = _mm512_dpbf16_ps(sa[j], qa, pair_at(ka + (k0 + j) * dh + 2 * p));
+        }
+        for (int j = 0; j < 16; j++)
+            _mm512_storeu_ps(a->s + 16 * (k0 + j), sa[j]);
+    }
+}
+
 // S^T of two tiles for one block, 8 keys at a time: per pair of dims both tiles' Q^T vectors, each key's pair
-// broadcast once for both (16 independent sums).
-static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh) {
+// broadcast once for both (16 independent sums); a lone tile (two = 0) on its own.
+static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh, int two) {
+    if (!two) {
+        scores1(a, ka, dh);
+        return;
+    }
     for (int k0 = 0; k0 < 32; k0 += 8) {
         __m512 sa[8], sb[8];
         for (int j = 0; j < 8; j++)
@@ -249,9 +287,29 @@ static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh) {
     }
 }
 
+// O^T += V^T P^T for one tile, 16 dims at a time (each sum in the order of the two-tile loop below).
+static inline void accumulate1(qtile *a, const uint16_t *vb, int64_t dh) {
+    for (int64_t d0 = 0; d0 < dh; d0 += 16) {
+        __m512 oa[16];
+        for (int j = 0; j < 16; j++)
+            oa[j] = _mm512_loadu_ps(a->o + 16 * (d0 + j));
+        for (int p = 0; p < 16; p++) {
+            __m512bh pa = (__m512bh)_mm512_loadu_si512(a->p + 32 * p);
+            for (int j = 0; j < 16; j++)
+                oa[j] = _mm512_dpbf16_ps(oa[j], pa, pair_at(vb + (d0 + j) * 32 + 2 * p));
+        }
+        for (int j = 0; j < 16; j++)
+            _mm512_storeu_ps(a->o + 16 * (d0 + j), oa[j]);
+    }
+}
+
 // O^T += V^T P^T for two tiles, 8 dims at a time: per pair of keys both tiles' P^T vectors, each dim's pair of
-// values broadcast once for both.
-static inline void accumulate(qtile *a, qtile *b, const uint16_t *vb, int64_t dh) {
+// values broadcast once for both; a lone tile (two = 0) on its own.
+static inline void accumulate(qtile *a, qtile *b, const uint16_t *vb, int64_t dh, int two) {
+    if (!two) {
+        accumulate1(a, vb, dh);
+        return;
+    }
     for (int64_t d0 = 0; d0 < dh; d0 += 8) {
         __m512 oa[8], ob[8];
         for (int j = 0; j < 8; j++) {
@@ -338,7 +396,7 @@ static void finish_tile(const qtile *t, __m512 l, uint16_t *out, int64_t ldo, in
 // Blocks past both tiles' last positions, or before both windows, are never read.
 static void pair_of_units(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, int g, int group,
                           int64_t u0, int64_t units, const cache_view *c, int64_t n, int64_t window, float scale,
-                          const uint16_t *kp, const uint16_t *vt, qtile *t) {
+                          const uint16_t *kp, const uint16_t *vt, qtile *t, uint16_t *own) {
     int64_t dh = c->dh, tiles = (n + 15) / 16, last = 0, lo = INT64_MAX;
     for (int i = 0; i < 2; i++) {
         int64_t u = u0 + i < units ? u0 + i : u0;             // a stand-in repeats the first tile's rows
@@ -356,12 +414,23 @@ static void pair_of_units(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t
     }
     __m512 m[2] = {_mm512_set1_ps(-1e30f), _mm512_set1_ps(-1e30f)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     lo = lo < c->base ? c->base : lo;
+    int two = t[1].rows > 0;
     for (int64_t b = (lo - c->base) / 32; c->base + 32 * b <= last; b++) {
         int64_t k0 = c->base + 32 * b;
-        scores(&t[0], &t[1], kp + 32 * b * dh, dh);
+        const uint16_t *kb = own, *vb = own + 32 * dh;
+        if (own) {                                         // packed here, for this item only: it stays in L1
+            if (c->base + 32 * (b + 2) <= last)
+                prefetch_block(c, c->base + 32 * (b + 2), g, 1);
+            pack_block(c, g, b, own, own + 32 * dh);
+        } else {
+            kb = kp + 32 * b * dh;
+            vb = vt + 32 * b * dh;
+        }
+        scores(&t[0], &t[1], kb, dh, two);
         softmax_block(&t[0], &m[0], &l[0], k0, window, scale, dh);
-        softmax_block(&t[1], &m[1], &l[1], k0, window, scale, dh);
-        accumulate(&t[0], &t[1], vt + 32 * b * dh, dh);
+        if (two)
+            softmax_block(&t[1], &m[1], &l[1], k0, window, scale, dh);
+        accumulate(&t[0], &t[1], vb, dh, two);
     }
     finish_tile(&t[0], l[0], out, ldo, dh);
     if (t[1].rows)
@@ -379,34 +448,45 @@ int upesi_prefill_attention(const uint16_t *q, int64_t ldq, uint16_t *out, int64
     int64_t base = window ? len - n - window + 1 : 0;
     base = base < 0 ? 0 : base & ~(int64_t)31;
     int64_t blocks = (len - base + 31) / 32, per_head = blocks * 32 * dh;
-    uint16_t *kp = malloc((size_t)(2 * kvh * per_head) * 2);
-    qtile *work = aligned_alloc(64, (size_t)(2 * (threads > 1 ? threads : 1)) * sizeof(qtile));
-    if (!kp || !work) {
+    int64_t group = h / kvh, units = group * ((n + 15) / 16), pairs = (units + 1) / 2;
+    int jit = pairs <= JIT_PAIRS, nt = threads > 1 ? threads : 1;
+    // Packed up front for every item of a KV head, or (a few items) by each item block by block into its own
+    // scratch: writing and reading back the whole context's packing costs more than packing it a few times in L1.
+    uint16_t *kp = jit ? NULL : malloc((size_t)(2 * kvh * per_head) * 2);
+    uint16_t *own = jit ? aligned_alloc(64, (size_t)(nt * 64 * dh) * 2) : NULL;
+    qtile *work = aligned_alloc(64, (size_t)(2 * nt) * sizeof(qtile));
+    if ((!kp && !own) || !work) {
         free(kp);
+        free(own);
         free(work);
         return -1;
     }
-    uint16_t *vt = kp + kvh * per_head;
+    uint16_t *vt = kp ? kp + kvh * per_head : NULL;
     cache_view c = {k_cache, v_cache, table, bs, kvh, dh, base, len};
-    int64_t group = h / kvh, units = group * ((n + 15) / 16), pairs = (units + 1) / 2;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < kvh * blocks; i++)
-            pack_block(&c, (int)(i / blocks), i % blocks, kp + (i / blocks) * per_head, vt + (i / blocks) * per_head);
+        for (int64_t b = 0; b < (kp ? blocks : 0); b++) {  // in the cache's order: a position holds every head
+            if (b + 2 < blocks)
+                prefetch_block(&c, base + 32 * (b + 2), 0, kvh);
+            for (int g = 0; g < kvh; g++)
+                pack_block(&c, g, b, kp + g * per_head + 32 * b * dh, vt + g * per_head + 32 * b * dh);
+        }
         qtile *w = work + 2 * omp_get_thread_num();
         configure();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < pairs * kvh; t++) {         // the last queries (most keys) first
             int g = (int)(t % kvh);
             pair_of_units(q, ldq, out, ldo, g, (int)group, 2 * (t / kvh), units, &c, n, window, scale,
-                          kp + g * per_head, vt + g * per_head, w);
+                          kp ? kp + g * per_head : NULL, vt ? vt + g * per_head : NULL, w,
+                          own ? own + omp_get_thread_num() * 64 * dh : NULL);
         }
 #ifdef UPESI_AMX_TILES
         _tile_release();
 #endif
     }
     free(kp);
+    free(own);
     free(work);
     return 0;
 }

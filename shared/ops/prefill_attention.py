@@ -88,6 +88,11 @@ def available(head_dim: int) -> bool:
     return head_dim % 64 == 0 and head_dim <= 256 and _lib() is not None
 
 
+def kernel() -> ctypes.CDLL | None:
+    """The build attention() calls, for callers that reach upesi_prefill_attention from C (decoder_bf16.c)."""
+    return _lib()
+
+
 def on_tiles(head_dim: int) -> bool:
     """Whether the kernel runs on AMX tiles here (then prompt chunks of a few dozen rows pay on it too)."""
     return available(head_dim) and _lib() is _tiles_lib()

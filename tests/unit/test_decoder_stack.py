@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
-from shared.ops import decoder_bf16, decoder_f32, qgemm
+from shared.ops import cpu_attention, decoder_bf16, decoder_f32, prefill_attention, qgemm
 from shared.ops.packed_linear import pack_linears
 from shared.ops.paged_attention import AttentionMetadata
 from shared.quant.quant_linear import QuantLinear
@@ -27,9 +27,9 @@ STEPS = [([37], [1], {}),                                                 # one 
 
 
 def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None = None, rotary: float = 1.0,
-               dtype: torch.dtype = torch.bfloat16, inter: int = 200) -> LlamaForCausalLM:
+               dtype: torch.dtype = torch.bfloat16, inter: int = 200, head_dim: int = 16) -> LlamaForCausalLM:
     cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=96, intermediate_size=inter, num_layers=3,
-                      num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      num_heads=6, num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
                       max_position_embeddings=512, attention_bias=attention_bias, mlp_bias=attention_bias,
                       extra={"sliding_window": window, "layer_types": ["sliding_attention", "full_attention",
                                                                        "sliding_attention"],
@@ -58,9 +58,10 @@ def quantise(model: LlamaForCausalLM, kind: str, names: tuple[str, ...], seed: i
             setattr(parent, name, q)
 
 
-def step(lens: list[int], qlens: list[int], trees: dict[int, list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+def step(lens: list[int], qlens: list[int], trees: dict[int, list[int]],
+         prompts: list[bool] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and metadata of sequences with shuffled blocks; sequence b's new tokens are its last
-    qlens[b] (a draft tree's nodes sit at their depth after the root)."""
+    qlens[b] (a draft tree's nodes sit at their depth after the root); prompts: which rows are prompt chunks."""
     perm = torch.randperm(NB, generator=torch.Generator().manual_seed(5)).tolist()
     tables, slots, starts, pos = [], [], [0], []
     for b, (length, n) in enumerate(zip(lens, qlens)):
@@ -75,7 +76,7 @@ def step(lens: list[int], qlens: list[int], trees: dict[int, list[int]]) -> tupl
         slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (mb - len(t)) for t in tables]),
         seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(starts),
         num_decodes=sum(1 for n in qlens if n == 1), query_lens=qlens, seq_lens_host=lens, max_query_len=max(qlens),
-        tree_masks={b: ancestor_mask(p) for b, p in trees.items()})
+        tree_masks={b: ancestor_mask(p) for b, p in trees.items()}, prompt_chunks=prompts)
     return torch.tensor(pos), meta
 
 
@@ -115,6 +116,24 @@ def test_stack_equals_modules_bit_for_bit(bias, window, rotary, lens, qlens, tre
     assert torch.equal(got, want)
     for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@needs_bf16
+@pytest.mark.skipif(not prefill_attention.available(64), reason="needs the prefill attention kernel")
+@pytest.mark.parametrize("window", [None, 100])
+def test_prompt_chunk_through_the_prefill_kernel_equals_modules_bit_for_bit(window):
+    """Decodes beside a 21-row prompt chunk resuming mid-block at position 479 (heads of 64): C hands the chunk to
+    the prefill kernel, as the modules do, and leaves the decodes to the row kernel."""
+    model = tiny_model(window=window, head_dim=64)
+    kv_stack, kv_mod = caches(model, 1), caches(model, 1)
+    (pos, meta), (_, meta_mod) = (step([37, 500, 5], [1, 21, 1], {}, prompts=[False, True, False]) for _ in "ab")
+    assert cpu_attention.tiled_chunks(meta) == {1}
+    ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = model(ids, pos, meta, kv_stack)
+        assert model._stack[1] is not None and model._stack[1].takes(model.embed_tokens(ids), meta)
+        want = module_path(model, ids, pos, meta_mod, kv_mod)      # its own metadata: rows split afresh
+    assert torch.equal(got, want)
 
 
 @needs_bf16

@@ -94,7 +94,7 @@ def test_sdpa_split_matches_reference(n, length, h, kvh, dh, dtype, tol):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_with_decodes_and_a_prompt_chunk(dtype, chunk):
     """Two decode rows and a prompt chunk resuming mid-block in one step, as the model calls it: 200 rows go to
-    prefill_attention everywhere; 16 rows at 637 positions to the AMX kernel where it runs (tiled_chunks)."""
+    prefill_attention everywhere; 16 rows at 637 positions to the prefill kernel where it runs (tiled_chunks)."""
     if not cpu_attention.supports(torch.zeros(1, 9, 64, dtype=dtype), torch.zeros(1, 16, 3, 64, dtype=dtype)):
         pytest.skip("the CPU attention kernel does not run here")
     k, v, _ = _cache(16 * 60, 3, 64, dtype)
