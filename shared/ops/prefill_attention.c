@@ -396,7 +396,7 @@ static void finish_tile(const qtile *t, __m512 l, uint16_t *out, int64_t ldo, in
 // Blocks past both tiles' last positions, or before both windows, are never read.
 static void pair_of_units(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, int g, int group,
                           int64_t u0, int64_t units, const cache_view *c, int64_t n, int64_t window, float scale,
-                          const uint16_t *kp, const uint16_t *vt, qtile *t, uint16_t *own) {
+                          const uint16_t *kp, const uint16_t *vt, qtile *t) {
     int64_t dh = c->dh, tiles = (n + 15) / 16, last = 0, lo = INT64_MAX;
     for (int i = 0; i < 2; i++) {
         int64_t u = u0 + i < units ? u0 + i : u0;             // a stand-in repeats the first tile's rows
@@ -417,24 +417,138 @@ static void pair_of_units(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t
     int two = t[1].rows > 0;
     for (int64_t b = (lo - c->base) / 32; c->base + 32 * b <= last; b++) {
         int64_t k0 = c->base + 32 * b;
-        const uint16_t *kb = own, *vb = own + 32 * dh;
-        if (own) {                                         // packed here, for this item only: it stays in L1
-            if (c->base + 32 * (b + 2) <= last)
-                prefetch_block(c, c->base + 32 * (b + 2), g, 1);
-            pack_block(c, g, b, own, own + 32 * dh);
-        } else {
-            kb = kp + 32 * b * dh;
-            vb = vt + 32 * b * dh;
-        }
-        scores(&t[0], &t[1], kb, dh, two);
+        scores(&t[0], &t[1], kp + 32 * b * dh, dh, two);
         softmax_block(&t[0], &m[0], &l[0], k0, window, scale, dh);
         if (two)
             softmax_block(&t[1], &m[1], &l[1], k0, window, scale, dh);
-        accumulate(&t[0], &t[1], vb, dh, two);
+        accumulate(&t[0], &t[1], vt + 32 * b * dh, dh, two);
     }
     finish_tile(&t[0], l[0], out, ldo, dh);
     if (t[1].rows)
         finish_tile(&t[1], l[1], out, ldo, dh);
+}
+
+// Tile u of KV head g (unit u, as pair_of_units numbers them) over the chunk's n rows, Q^T packed, O^T empty.
+static void place_tile(qtile *t, const uint16_t *q, int64_t ldq, int g, int group, int64_t u, int64_t n,
+                       const cache_view *c) {
+    int64_t tiles = (n + 15) / 16;
+    t->head = g * group + (int)(u % group);
+    t->i0 = 16 * (tiles - 1 - u / group);
+    t->rows = (int)(n - t->i0 < 16 ? n - t->i0 : 16);
+    t->first = c->len - n + t->i0;
+    t->last = t->first + 15;
+    start_tile(t, q, ldq, c->dh);
+}
+
+// Whether a tile's rows attend any key of the block from k0: not past the last row's position, not before the
+// first row's window.
+static inline int reaches(const qtile *t, int64_t k0, int64_t window) {
+    return k0 <= t->first + t->rows - 1 && (!window || k0 + 31 > t->first - window);
+}
+
+// A chunk of a few tiles a KV head (prompt chunks beside decodes): one item per KV head and segment of its key
+// blocks [b0, b1), every tile of the head in it, so that each block is read from the cache and packed once (into
+// the item's own scratch, where it stays in L1) for all of them. The item leaves, per tile, its running maximum
+// and sum and its unnormalised O^T in part (units x [16 m, 16 l, Dh x 16 O^T] floats); merge_tile adds the
+// segments up.
+static void head_segment(const uint16_t *q, int64_t ldq, int g, int group, int64_t n, const cache_view *c,
+                         int64_t window, float scale, int64_t b0, int64_t b1, qtile *t, uint16_t *own, float *part) {
+    int64_t dh = c->dh, units = group * ((n + 15) / 16), stride = 32 + 16 * dh;
+    __m512 m[2 * JIT_PAIRS], l[2 * JIT_PAIRS];
+    for (int64_t u = 0; u < units; u++) {
+        place_tile(&t[u], q, ldq, g, group, u, n, c);
+        m[u] = _mm512_set1_ps(-1e30f);
+        l[u] = _mm512_setzero_ps();
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t k0 = c->base + 32 * b;
+        if (b + 2 < b1)
+            prefetch_block(c, k0 + 64, g, 1);
+        pack_block(c, g, b, own, own + 32 * dh);
+        for (int64_t u = 0; u < units; u += 2) {           // in pairs sharing each key and value read
+            int64_t v = u + 1 < units ? u + 1 : u;
+            int ra = reaches(&t[u], k0, window), rb = v != u && reaches(&t[v], k0, window);
+            if (!ra && !rb)
+                continue;
+            int64_t a = ra ? u : v, o = ra && rb ? v : a;
+            scores(&t[a], &t[o], own, dh, a != o);
+            softmax_block(&t[a], &m[a], &l[a], k0, window, scale, dh);
+            if (a != o)
+                softmax_block(&t[o], &m[o], &l[o], k0, window, scale, dh);
+            accumulate(&t[a], &t[o], own + 32 * dh, dh, a != o);
+        }
+    }
+    for (int64_t u = 0; u < units; u++) {
+        float *pu = part + u * stride;
+        _mm512_storeu_ps(pu, m[u]);
+        _mm512_storeu_ps(pu + 16, l[u]);
+        memcpy(pu + 32, t[u].o, sizeof(float) * (size_t)(16 * dh));
+    }
+}
+
+// Tile u of KV head g from its segments' parts (each `stride` floats, segs of them `apart` floats apart): maxima
+// to the largest, sums and O^T rescaled to it and added, then out as finish_tile writes it.
+static void merge_tile(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, int g, int group, int64_t u,
+                       int64_t n, const cache_view *c, const float *part, int64_t segs, int64_t apart, qtile *t) {
+    int64_t dh = c->dh;
+    place_tile(t, q, ldq, g, group, u, n, c);
+    __m512 top = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
+    for (int64_t s = 0; s < segs; s++)
+        top = _mm512_max_ps(top, _mm512_loadu_ps(part + s * apart));
+    for (int64_t s = 0; s < segs; s++) {
+        const float *ps = part + s * apart;
+        __m512 w = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(ps), top));
+        l = _mm512_fmadd_ps(_mm512_loadu_ps(ps + 16), w, l);
+        for (int64_t d = 0; d < dh; d++)
+            _mm512_storeu_ps(t->o + 16 * d, _mm512_fmadd_ps(_mm512_loadu_ps(ps + 32 + 16 * d), w,
+                                                            _mm512_loadu_ps(t->o + 16 * d)));
+    }
+    finish_tile(t, l, out, ldo, dh);
+}
+
+// upesi_prefill_attention for a chunk of at most JIT_PAIRS pairs of tiles a KV head: head_segment's items (KV
+// heads x segments, at least two items a thread where the keys allow), then merge_tile's.
+static int by_segments(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, const uint16_t *k_cache,
+                       const uint16_t *v_cache, const int64_t *table, int64_t bs, int64_t n, int64_t len, int h,
+                       int kvh, int64_t dh, float scale, int64_t window, int nt, int64_t base, int64_t blocks) {
+    int64_t group = h / kvh, units = group * ((n + 15) / 16), stride = 32 + 16 * dh;
+    int64_t segs = (2 * nt + kvh - 1) / kvh;              // base is already the first row's window start
+    segs = segs < blocks ? segs : blocks;
+    qtile *work = aligned_alloc(64, (size_t)(nt * units) * sizeof(qtile));
+    uint16_t *own = aligned_alloc(64, (size_t)(nt * 64 * dh) * 2);
+    float *part = malloc(sizeof(float) * (size_t)(kvh * segs * units * stride));
+    if (!work || !own || !part) {
+        free(work);
+        free(own);
+        free(part);
+        return -1;
+    }
+    cache_view c = {k_cache, v_cache, table, bs, kvh, dh, base, len};
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int me = omp_get_thread_num();
+        configure();
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < kvh * segs; i++) {
+            int64_t g = i / segs, s = i % segs;
+            head_segment(q, ldq, (int)g, (int)group, n, &c, window, scale, s * blocks / segs,
+                         (s + 1) * blocks / segs, work + me * units, own + me * 64 * dh,
+                         part + (g * segs + s) * units * stride);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < kvh * units; i++) {
+            int64_t g = i / units, u = i % units;
+            merge_tile(q, ldq, out, ldo, (int)g, (int)group, u, n, &c, part + (g * segs * units + u) * stride, segs,
+                       units * stride, work + me * units);
+        }
+#ifdef UPESI_AMX_TILES
+        _tile_release();
+#endif
+    }
+    free(work);
+    free(own);
+    free(part);
+    return 0;
 }
 
 // q [n, H, Dh] bf16 (rows ldq apart, rotated), out [n, H, Dh] bf16 (rows ldo apart), caches [NB, BS, KVH, Dh]
@@ -449,24 +563,23 @@ int upesi_prefill_attention(const uint16_t *q, int64_t ldq, uint16_t *out, int64
     base = base < 0 ? 0 : base & ~(int64_t)31;
     int64_t blocks = (len - base + 31) / 32, per_head = blocks * 32 * dh;
     int64_t group = h / kvh, units = group * ((n + 15) / 16), pairs = (units + 1) / 2;
-    int jit = pairs <= JIT_PAIRS, nt = threads > 1 ? threads : 1;
-    // Packed up front for every item of a KV head, or (a few items) by each item block by block into its own
-    // scratch: writing and reading back the whole context's packing costs more than packing it a few times in L1.
-    uint16_t *kp = jit ? NULL : malloc((size_t)(2 * kvh * per_head) * 2);
-    uint16_t *own = jit ? aligned_alloc(64, (size_t)(nt * 64 * dh) * 2) : NULL;
+    int nt = threads > 1 ? threads : 1;
+    if (pairs <= JIT_PAIRS)
+        return by_segments(q, ldq, out, ldo, k_cache, v_cache, table, bs, n, len, h, kvh, dh, scale, window, nt,
+                           base, blocks);
+    uint16_t *kp = malloc((size_t)(2 * kvh * per_head) * 2);
     qtile *work = aligned_alloc(64, (size_t)(2 * nt) * sizeof(qtile));
-    if ((!kp && !own) || !work) {
+    if (!kp || !work) {
         free(kp);
-        free(own);
         free(work);
         return -1;
     }
-    uint16_t *vt = kp ? kp + kvh * per_head : NULL;
+    uint16_t *vt = kp + kvh * per_head;
     cache_view c = {k_cache, v_cache, table, bs, kvh, dh, base, len};
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         #pragma omp for schedule(static)
-        for (int64_t b = 0; b < (kp ? blocks : 0); b++) {  // in the cache's order: a position holds every head
+        for (int64_t b = 0; b < blocks; b++) {             // in the cache's order: a position holds every head
             if (b + 2 < blocks)
                 prefetch_block(&c, base + 32 * (b + 2), 0, kvh);
             for (int g = 0; g < kvh; g++)
@@ -478,15 +591,13 @@ int upesi_prefill_attention(const uint16_t *q, int64_t ldq, uint16_t *out, int64
         for (int64_t t = 0; t < pairs * kvh; t++) {         // the last queries (most keys) first
             int g = (int)(t % kvh);
             pair_of_units(q, ldq, out, ldo, g, (int)group, 2 * (t / kvh), units, &c, n, window, scale,
-                          kp ? kp + g * per_head : NULL, vt ? vt + g * per_head : NULL, w,
-                          own ? own + omp_get_thread_num() * 64 * dh : NULL);
+                          kp + g * per_head, vt + g * per_head, w);
         }
 #ifdef UPESI_AMX_TILES
         _tile_release();
 #endif
     }
     free(kp);
-    free(own);
     free(work);
     return 0;
 }
