@@ -164,7 +164,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         t_start = time.perf_counter()
         # a sequence's first proposal also reads its whole prompt into the draft: paid once, so not measured
         first = self.cfg.speculation_guard and any(s.num_output_tokens <= 1 for s in self.scheduler.running)
-        guarded, drafting = self._propose_step()
+        guarded, drafting, looked = self._propose_step()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -211,7 +211,8 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
             self.scheduler.pacer.observe(*split, self.last_step_s)
         if guarded and not first:
             emitted = sum(len(d.token_ids) for d in deltas)
-            self.spec_guard.observe(guarded, drafting, time.perf_counter() - t_start, emitted)
+            self.spec_guard.observe(guarded, drafting, time.perf_counter() - t_start, emitted,
+                                    None if drafting else looked)
         if self.kv_store is not None:
             self._store_commits()
             self.kv_store.cost.observe_prefill(sum(batch.num_tokens), self.last_step_s)

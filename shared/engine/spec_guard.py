@@ -10,6 +10,11 @@ PROBE_EVERY steps it takes the other kind, so both figures stay current (every R
 CLEAR_MARGIN times cheaper). Where the proposer drafts by prompt lookup alone too (a target's mux), steps of both
 kinds get lookup's chains for the text that repeats: the guard weighs the draft service against lookup alone.
 
+Lookup is weighed the same way among the steps kept from the proposer: where it found chains, the cost of a token
+of steps that verified them against that of steps that drafted nothing. Where the matches are spurious (chat) and a
+step's extra rows are dear (a CPU whose plain step is a few ms), its chains cost more than they bring and the step
+decodes plainly; where the answer copies the prompt they pay many times over.
+
 Only steps whose sequences all decode count (a prefill's rows would swamp them). Greedy output is the same either way
 and sampled output keeps its distribution, so the choice changes speed only.
 """
@@ -21,6 +26,7 @@ PROBE_EVERY = 16       # steps between steps of the kind not chosen
 CLEAR_MARGIN = 1.25    # where one kind costs this many times less a token than the other,
 RARE = 4               # the other is probed RARE times less often: a clear choice costs little exploring
 WEIGHT = 0.1           # weight of a new step in the averages: about the last 10 steps of each kind
+LOOKUP, BARE = "lookup", "bare"   # steps kept from the proposer: with prompt lookup's chains, with no drafts
 
 
 @dataclass(slots=True)
@@ -28,36 +34,54 @@ class SpecGuard:
     # (decoding seqs, drafted) -> (seconds a step, tokens a step), exponential averages. Their ratio is the cost
     # of a token: an average of each step's seconds / tokens would count a step that emitted one token as heavily
     # as one that emitted six, and so overstate speculation's cost (the mean of 1 / t exceeds 1 / the mean of t).
-    averages: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
+    # Keys (seqs, True / False) for the proposer's choice, (seqs, LOOKUP / BARE) for lookup's.
+    averages: dict[tuple[int, bool | str], tuple[float, float]] = field(default_factory=dict)
     steps: int = 0
+    lookup_steps: int = 0
 
     @property
-    def cost(self) -> dict[tuple[int, bool], float]:
-        """(decoding seqs, drafted) -> seconds a token."""
+    def cost(self) -> dict[tuple[int, bool | str], float]:
+        """(decoding seqs, kind) -> seconds a token."""
         return {key: self._cost(key) for key in self.averages}
 
-    def _cost(self, key: tuple[int, bool]) -> float | None:
+    def _cost(self, key: tuple[int, bool | str]) -> float | None:
         found = self.averages.get(key)
         return None if found is None else found[0] / found[1]
 
     def speculate(self, seqs: int) -> bool:
         """Whether the coming step, with `seqs` sequences decoding, should ask the proposer for drafts."""
         self.steps += 1
-        spec, plain = self._cost((seqs, True)), self._cost((seqs, False))
-        probe = self.steps % PROBE_EVERY == 0
+        return self._prefer((seqs, True), (seqs, False), self.steps)
+
+    def lookup(self, seqs: int) -> bool:
+        """Whether a step kept from the proposer, with `seqs` sequences decoding, should verify the chains prompt
+        lookup found for it (asked only where it found some)."""
+        self.lookup_steps += 1
+        return self._prefer((seqs, LOOKUP), (seqs, BARE), self.lookup_steps)
+
+    def _prefer(self, drafts: tuple[int, bool | str], none: tuple[int, bool | str], step: int) -> bool:
+        """Whether the step `step` of a choice drafts: the kind cheaper a token, the other every PROBE_EVERY steps
+        (RARE times less often where one is CLEAR_MARGIN cheaper); drafting until measured."""
+        spec, plain = self._cost(drafts), self._cost(none)
+        probe = step % PROBE_EVERY == 0
         if spec is None:
             return True                          # speculation is the default until measured
         if plain is None:
             return not probe
         if max(spec, plain) >= CLEAR_MARGIN * min(spec, plain):
-            probe = self.steps % (RARE * PROBE_EVERY) == 0
+            probe = step % (RARE * PROBE_EVERY) == 0
         return (spec <= plain) != probe
 
-    def observe(self, seqs: int, drafted: bool, seconds: float, tokens: int) -> None:
-        """A decode step of `seqs` sequences (that asked the proposer or not) took `seconds`, emitted `tokens`."""
+    def observe(self, seqs: int, drafted: bool, seconds: float, tokens: int, looked: bool | None = None) -> None:
+        """A decode step of `seqs` sequences (that asked the proposer or not) took `seconds`, emitted `tokens`;
+        `looked`, for a step that did not ask: whether it verified lookup chains."""
         if tokens <= 0:
             return
-        key = (seqs, drafted)
+        self._add((seqs, drafted), seconds, tokens)
+        if not drafted and looked is not None:
+            self._add((seqs, LOOKUP if looked else BARE), seconds, tokens)
+
+    def _add(self, key: tuple[int, bool | str], seconds: float, tokens: int) -> None:
         old = self.averages.get(key)
         self.averages[key] = (seconds, float(tokens)) if old is None else (
             old[0] + WEIGHT * (seconds - old[0]), old[1] + WEIGHT * (tokens - old[1]))

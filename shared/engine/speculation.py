@@ -42,25 +42,28 @@ class SpeculationMixin:
         running = sched.running
         return len(running) if running and all(s.num_uncomputed == 1 for s in running) else 0
 
-    def _propose_step(self) -> tuple[int, bool]:
+    def _propose_step(self) -> tuple[int, bool, bool]:
         """Drafts for this step where the proposer is active, the speculation guard permitting -> (the number of
-        decoding sequences the guard measures this step (0: none), whether the guard let the proposer draft)."""
+        decoding sequences the guard measures this step (0: none), whether the guard let the proposer draft,
+        whether a step kept from it verifies lookup chains)."""
         guarded = self._guarded_decodes()
         drafting = not guarded or self.spec_guard.speculate(guarded)
+        looked = False
         if self.proposer is not None and getattr(self.proposer, "active", True):
-            self._propose(plain_default=not drafting)
-        return guarded, drafting
+            looked = self._propose(plain_default=not drafting, guarded=guarded)
+        return guarded, drafting, looked
 
-    def _propose(self, plain_default: bool = False) -> None:
+    def _propose(self, plain_default: bool = False, guarded: int = 0) -> bool:
         """Drafts for the running sequences that speculate this step; `plain_default`: the speculation guard kept
         this step from the proposer, so requests that did not set their own K get prompt lookup's chains alone
-        where the proposer has them (a target's mux: the text that repeats costs no draft service), else decode
-        plainly."""
+        where the proposer has them (a target's mux: the text that repeats costs no draft service) and the guard
+        finds them paying (`guarded`: the decoding sequences it measures, 0: not measured), else decode plainly.
+        Returns whether lookup's chains alone were taken."""
         limit = self.cfg.speculative_max_seqs
         if limit and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
             # a big batch: verifying drafts costs more than it saves (plain steps); sequences waiting join the next
             # step, which would be plain, and a proposal now would keep them waiting for it (a burst's first one)
-            return
+            return False
         lookup = getattr(self.proposer, "propose_lookup", None)
         seqs, ks, looked, looked_ks = [], [], [], []      # for the proposer; for lookup alone
         for seq in self.scheduler.running:
@@ -73,12 +76,16 @@ class SpeculationMixin:
                     (looked if by_lookup else seqs).append(seq)
                     (looked_ks if by_lookup else ks).append(k)
         if not seqs and not looked:
-            return
+            return False
+        took = False
         with telemetry.span_in("propose", telemetry.traced_contexts(seqs + looked),
                                {"upesi.seqs": len(seqs) + len(looked)}):
             proposals = self.proposer.propose(seqs, ks) if seqs else []
             if looked:
-                proposals = list(proposals) + list(lookup(looked, looked_ks))
+                chains = list(lookup(looked, looked_ks))
+                took = any(p[0] for p in chains) and (not guarded or self.spec_guard.lookup(guarded))
+                if took:
+                    proposals = list(proposals) + chains
         for seq, (tokens, probs, parents) in zip(seqs + looked, proposals):
             if is_chain(parents):
                 parents = None
@@ -87,6 +94,7 @@ class SpeculationMixin:
             if tokens:
                 seq.token_ids.extend(tokens)
                 seq.spec_tokens, seq.spec_probs, seq.spec_parents = list(tokens), probs, parents
+        return took
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Delta:
         """logits [K + 1, V] of a sequence that carried K draft tokens: accept, roll back, emit."""

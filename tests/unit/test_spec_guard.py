@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.spec_guard import PROBE_EVERY, RARE, WEIGHT, SpecGuard
+from shared.engine.spec_guard import BARE, LOOKUP, PROBE_EVERY, RARE, WEIGHT, SpecGuard
 from shared.sampling_params import SamplingParams
 from shared.testing.scripted_proposer import PROMPT, Scripted
 from shared.testing.tiny_llama import save_tiny
@@ -70,17 +70,39 @@ def test_a_token_costs_the_ratio_of_average_seconds_to_average_tokens():
     assert choices(g, 1, PROBE_EVERY - 1) == [True] * (PROBE_EVERY - 1)      # speculative until the probe
 
 
-class Fixed:
-    """A guard that always answers `speculate` and records what the engine tells it."""
+def test_lookup_is_weighed_among_the_steps_kept_from_the_proposer():
+    """Steps without the proposer that verified lookup chains (12 ms for 2 tokens) against those that drafted
+    nothing (4 ms for 1): lookup's chains are dropped but for a probe; the proposer's own choice still sees every
+    step without it."""
+    assert all(SpecGuard().lookup(1) for _ in range(3))     # lookup's chains are taken until measured
+    g = SpecGuard()
+    g.observe(1, False, 0.012, 2, looked=True)
+    g.observe(1, False, 0.004, 1, looked=False)
+    g.observe(1, True, 0.010, 2)
+    assert g.cost[(1, LOOKUP)] == 0.006 and g.cost[(1, BARE)] == 0.004
+    assert abs(g.cost[(1, False)] - (0.012 + WEIGHT * (0.004 - 0.012)) / (2 + WEIGHT * (1 - 2))) < 1e-12
+    got = [g.lookup(1) for _ in range(RARE * PROBE_EVERY)]
+    assert got.count(True) == 1 and got[-1]                 # 1.5x dearer: probed every RARE x PROBE_EVERY
+    g.observe(1, False, 0.010, 5, looked=True)              # a copying stretch: 2 ms a token with chains
+    for _ in range(10):
+        g.observe(1, False, 0.010, 5, looked=True)
+    assert all(g.lookup(1) for _ in range(PROBE_EVERY - 1))
 
-    def __init__(self, speculate: bool) -> None:
-        self.answer, self.seen = speculate, []
+
+class Fixed:
+    """A guard that always answers `speculate` (and `lookup`) and records what the engine tells it."""
+
+    def __init__(self, speculate: bool, lookup: bool = True) -> None:
+        self.answer, self.looks, self.seen = speculate, lookup, []
 
     def speculate(self, seqs: int) -> bool:
         return self.answer
 
-    def observe(self, seqs: int, speculated: bool, seconds: float, tokens: int) -> None:
-        self.seen.append((seqs, speculated, tokens))
+    def lookup(self, seqs: int) -> bool:
+        return self.looks
+
+    def observe(self, seqs: int, speculated: bool, seconds: float, tokens: int, looked: bool | None = None) -> None:
+        self.seen.append((seqs, speculated, tokens) if looked is None else (seqs, speculated, tokens, looked))
 
 
 def test_the_engine_follows_the_guard(tmp_path):
@@ -94,7 +116,7 @@ def test_the_engine_follows_the_guard(tmp_path):
     eng.spec_guard = plain = Fixed(False)
     assert eng.generate([PROMPT], params)[0][0] == greedy
     assert prop.asked == []                                  # plain steps only
-    assert plain.seen and all(s == (1, False, 1) for s in plain.seen)   # each decode step: one sequence, one token
+    assert plain.seen and all(s[:3] == (1, False, 1) for s in plain.seen)   # each decode step: one sequence, a token
     assert len(plain.seen) == 12 - 2        # not the prefill, nor the first decode (it reads the prompt into a draft)
     own = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=2)
     assert eng.generate([PROMPT], own)[0][0] == greedy
@@ -133,5 +155,22 @@ def test_a_step_kept_from_the_proposer_still_drafts_by_lookup(tmp_path):
     assert eng.generate([PROMPT], params)[0][0] == greedy
     assert eng.stats_draft > 0 and eng.stats_accepted > 0                  # lookup drafted and was verified
     assert plain.seen and all(not s[1] for s in plain.seen)                # each a step without the proposer
-    assert any(s[2] > 1 for s in plain.seen)                               # ... some of them several tokens
+    assert any(s[2] > 1 and s[3] for s in plain.seen)                      # ... some of them lookup's, several tokens
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_lookup_chains_the_guard_finds_dear_are_dropped(tmp_path):
+    """The same, with a guard that finds lookup's chains dearer than plain steps: none is verified, every step
+    emits one token and is told to the guard as a step without drafts; greedy output unchanged."""
+    from shared.spec.proposer_mux import ProposerMux
+    save_tiny(tmp_path, None)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
+                                 num_speculative_tokens=4, speculation_guard=True))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    greedy = eng.generate([PROMPT], params)[0][0]
+    eng.proposer = ProposerMux(None, lookup_n=1, lookup_unbound=True)
+    eng.spec_guard = plain = Fixed(False, lookup=False)
+    assert eng.generate([PROMPT], params)[0][0] == greedy
+    assert eng.stats_draft == 0
+    assert plain.seen and all(s == (1, False, 1, False) for s in plain.seen)
     assert eng.block_manager.num_used_blocks == 0
