@@ -12,16 +12,19 @@
 //   S^T [32 keys, 16 queries] = K [keys, Dh] . Q^T           Q^T in pairs of dims, per key a pair broadcast
 //   O^T [Dh, 16 queries]     += V^T [Dh, 32 keys] . P^T      P^T in pairs of keys, per dim a pair broadcast
 // (on tiles: tdpbf16ps multiplies A [16 rows, 32 bf16] by B [16 pairs, 16 columns x 2 bf16], K and V^T as A).
-// 1. Packing, once per call and KV head, of the keys the chunk's rows can reach (keys past L are zeros):
+// 1. Packing of the keys the chunk's rows can reach (keys past L are zeros), per block of 32 keys and KV head:
 //      kp[key][Dh]                     the keys gathered from their cache slots
 //      vt[block of 32 keys][Dh][32]   the values transposed (pairs of keys, then a 16 x 16 u32 transpose)
+//    A long chunk packs the whole context once per call; a chunk of at most JIT_PAIRS pairs of tiles a KV head
+//    (prompt chunks beside decodes) packs each block as it reads it, into its own L1 scratch (by_segments).
 // 2. Work items: pairs of tiles (16 consecutive queries of one head each, both of one KV head), the most keys
-//    first; Q^T packed once per tile. For each block of 32 keys up to the last query's position: S^T of both
-//    tiles (each key read once for both); per key vector the scores are scaled into base 2
-//    (s scale log2 e), masked on the blocks that cross a query's position or window edge, and exponentiated
-//    against the column's reference maximum (2^t by a degree-5 polynomial and scalef); the running sum and O^T
-//    (fp32) are rescaled when a column's maximum passes the reference by 2^LAZY;
-//    P^T is rounded to bf16; O^T += V^T P^T with each value read once for both. Blocks past both tiles'
+//    first; or, for the few tiles of a short chunk, every tile of a KV head against one segment of its keys,
+//    the segments' running maxima, sums and outputs merged after. Q^T packed once per tile. For each block of 32
+//    keys up to the last query's position: S^T of both tiles (each key read once for both); per key vector the
+//    scores are scaled into base 2 (s scale log2 e), masked on the blocks that cross a query's position or window
+//    edge, and exponentiated against the column's reference maximum (2^t by a degree-5 polynomial and scalef); the
+//    running sum and O^T (fp32) are rescaled when a column's maximum passes the reference by 2^LAZY; P^T is
+//    rounded to bf16; O^T += V^T P^T with each value read once for both. Blocks past both tiles'
 //    positions or before both windows are never read. out = (O^T / l)^T, rounded to bf16.
 // Shapes: q, out [n, H, Dh] bf16 with rows ldq / ldo elements apart; caches [NB, BS, KVH, Dh]; table [MB] int64.
 // Dh must be a multiple of 64, at most 256.
@@ -39,7 +42,7 @@
 #define LAZY 8.0f          // a column's reference maximum moves only when the scores pass it by this (base 2)
 #define FLOOR_T (-126.0f)   // exponents (base 2) below this give 2^-126: nothing beside a column's maximum
 #ifndef JIT_PAIRS
-#define JIT_PAIRS 6         // items per KV head up to which each packs its own blocks (prompt chunks beside decodes)
+#define JIT_PAIRS 6         // pairs of tiles a KV head up to which a call runs by segments (by_segments)
 #endif
 
 #ifdef UPESI_AMX_TILES
