@@ -351,15 +351,24 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
     // alone either way (the split changes no result, only which thread computes it).
     int parts = nblocks * kvh < 2 * omp_get_max_threads() ? g : 1, ng = g / parts;
     int64_t work = nblocks * kvh * parts, cap = (max_len > 0 ? max_len : 1) + 8;
-    // Blocks are handed out dearest first (rows x positions they read), one at a time: a long prompt chunk's
-    // blocks beside decodes would otherwise leave one thread waiting on the other.
+    // Items go to the threads dearest first (rows x positions they read), each to the thread with the least so far:
+    // in the order of the rows, a long prompt chunk's blocks beside decodes left one thread waiting on the other.
+    int nt = work > 1 ? omp_get_max_threads() : 1;
     block_cost *order = malloc(sizeof(block_cost) * (size_t)(nblocks > 0 ? nblocks : 1));
+    int *owner = malloc(sizeof(int) * (size_t)(work > 0 ? work : 1));
+    int64_t *load = calloc((size_t)nt, sizeof(int64_t));
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t *d = rows + blocks[b * 2] * 5;
         order[b] = (block_cost){blocks[b * 2 + 1] * (d[2] + d[(blocks[b * 2 + 1] - 1) * 5 + 3] + 1), b};
     }
     qsort(order, (size_t)nblocks, sizeof(block_cost), dearer_first);
-    #pragma omp parallel if (work > 1)
+    for (int64_t w = 0; w < work; w++) {
+        int least = 0;
+        for (int i = 1; i < nt; i++) least = load[i] < load[least] ? i : least;
+        owner[w] = least;
+        load[least] += order[w / (kvh * parts)].cost / parts + 1;
+    }
+    #pragma omp parallel num_threads(nt) if (work > 1)
     {
         // per row of a block and head: scores over the block's positions [rows, G, cap], q [rows, G, Dh], acc
         float *scores = malloc(sizeof(float) * (size_t)(max_rows * g * cap));
@@ -370,8 +379,10 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         unsigned char *on = malloc((size_t)cap);                // a tree row: which positions it attends
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)cap);
         float kv[8 * 512];
-        #pragma omp for schedule(dynamic, 1)
+        int me = omp_get_thread_num();
         for (int64_t w = 0; w < work; w++) {
+            if (owner[w] != me)
+                continue;
             const int64_t *blk = blocks + order[w / (kvh * parts)].block * 2;   // (first row descriptor, rows): one
             const int64_t *d0 = rows + blk[0] * 5;               // sequence's rows (row, seq, ctx, j, bits)
             int64_t nr = blk[1], ctx = d0[2], last_j = 0;
@@ -494,4 +505,6 @@ void upesi_paged_attention(const void *q, int64_t q_stride, void *out, int64_t o
         free(slots);
     }
     free(order);
+    free(owner);
+    free(load);
 }
