@@ -50,13 +50,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(only=next((a for a in argv if a in COMMANDS), "")).parse_args(argv)
+    from shared.model_files import ModelNotFound
     from shared.rpc.ports import ListenError
     from shared.rpc.server import setup_logging
 
     setup_logging(args.log_level)
     try:
         args.func(args)
-    except (ValueError, ListenError) as e:    # config validation, a taken port: a clear line, not a traceback
+    except (ValueError, ListenError, ModelNotFound) as e:   # bad config, a taken port, no model: a line, no traceback
         print(f"upesi {args.command}: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -14,6 +14,7 @@ from services.launcher_commands import Child, hide_secrets, router_command, with
 from services.launcher_commands import children as launch_children
 from services.serve_config import ServeConfig
 from shared.config import add_config_arguments, config_from_args
+from shared.model_files import resolve_model_path
 from shared.ops import switches
 from shared.rpc import internal_token, ports
 
@@ -183,6 +184,7 @@ def main(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    resolve_model_path(cfg.model)                  # a missing model: one line now, not a traceback from each service
     try:
         env = _turns_env(cfg, _expert_env(cfg))
         children = launch_children(cfg)
