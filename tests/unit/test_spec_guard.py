@@ -4,6 +4,8 @@ requests that left K to the deployment, requests with their own K are drafted fo
 measured, and greedy output stays the plain greedy output."""
 from __future__ import annotations
 
+import pytest
+
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.spec_guard import BARE, LOOKUP, PROBE_EVERY, RARE, WEIGHT, SpecGuard
@@ -140,10 +142,12 @@ def test_without_the_guard_nothing_is_measured(tmp_path):
     assert prop.asked and seen.seen == []
 
 
-def test_a_step_kept_from_the_proposer_still_drafts_by_lookup(tmp_path):
-    """The guard decides about the proposer (a draft service, a head), not about prompt lookup: where the proposer
-    drafts by lookup alone too (a target's mux), a step the guard keeps plain still gets lookup's chains for the
-    text that repeats, and is measured as a step without the proposer."""
+@pytest.mark.parametrize("pays", [True, False])
+def test_a_step_kept_from_the_proposer_drafts_by_lookup_where_it_pays(tmp_path, pays):
+    """The guard decides about the proposer (a draft service, a head) and, apart, about prompt lookup: where the
+    proposer drafts by lookup alone too (a target's mux), a step the guard keeps from it still gets lookup's chains
+    for the text that repeats while lookup pays (`pays`), and is measured as a step without the proposer that
+    verified chains; where they do not, none is verified and every step emits one token. Greedy output unchanged."""
     from shared.spec.proposer_mux import ProposerMux
     save_tiny(tmp_path, None)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
@@ -151,26 +155,13 @@ def test_a_step_kept_from_the_proposer_still_drafts_by_lookup(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     greedy = eng.generate([PROMPT], params)[0][0]
     eng.proposer = ProposerMux(None, lookup_n=1, lookup_unbound=True)
-    eng.spec_guard = plain = Fixed(False)
+    eng.spec_guard = plain = Fixed(False, lookup=pays)
     assert eng.generate([PROMPT], params)[0][0] == greedy
-    assert eng.stats_draft > 0 and eng.stats_accepted > 0                  # lookup drafted and was verified
     assert plain.seen and all(not s[1] for s in plain.seen)                # each a step without the proposer
-    assert any(s[2] > 1 and s[3] for s in plain.seen)                      # ... some of them lookup's, several tokens
-    assert eng.block_manager.num_used_blocks == 0
-
-
-def test_lookup_chains_the_guard_finds_dear_are_dropped(tmp_path):
-    """The same, with a guard that finds lookup's chains dearer than plain steps: none is verified, every step
-    emits one token and is told to the guard as a step without drafts; greedy output unchanged."""
-    from shared.spec.proposer_mux import ProposerMux
-    save_tiny(tmp_path, None)
-    eng = LLMEngine(EngineConfig(model=str(tmp_path), progress=False, num_kv_blocks=64, block_size=4,
-                                 num_speculative_tokens=4, speculation_guard=True))
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    greedy = eng.generate([PROMPT], params)[0][0]
-    eng.proposer = ProposerMux(None, lookup_n=1, lookup_unbound=True)
-    eng.spec_guard = plain = Fixed(False, lookup=False)
-    assert eng.generate([PROMPT], params)[0][0] == greedy
-    assert eng.stats_draft == 0
-    assert plain.seen and all(s == (1, False, 1, False) for s in plain.seen)
+    if pays:
+        assert eng.stats_draft > 0 and eng.stats_accepted > 0              # lookup drafted and was verified
+        assert any(s[2] > 1 and s[3] for s in plain.seen)                  # ... some steps lookup's, several tokens
+    else:
+        assert eng.stats_draft == 0
+        assert all(s == (1, False, 1, False) for s in plain.seen)
     assert eng.block_manager.num_used_blocks == 0
