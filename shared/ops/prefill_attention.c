@@ -393,6 +393,18 @@ static void finish_tile(const qtile *t, __m512 l, uint16_t *out, int64_t ldo, in
     }
 }
 
+// Tile u of KV head g (unit u, as pair_of_units below numbers them) over the chunk's n rows, Q^T packed, O^T empty.
+static void place_tile(qtile *t, const uint16_t *q, int64_t ldq, int g, int group, int64_t u, int64_t n,
+                       const cache_view *c) {
+    int64_t tiles = (n + 15) / 16;
+    t->head = g * group + (int)(u % group);
+    t->i0 = 16 * (tiles - 1 - u / group);
+    t->rows = (int)(n - t->i0 < 16 ? n - t->i0 : 16);
+    t->first = c->len - n + t->i0;
+    t->last = t->first + 15;
+    start_tile(t, q, ldq, c->dh);
+}
+
 // One work item: two tiles of one KV head's query heads (16 rows each; the second a stand-in with no rows where the
 // count is odd), sharing every key and value tile. unit u of KV head g: rows 16 (tiles - 1 - u / group) on of
 // query head g group + u % group, so a pair shares its positions or neighbours them, the most keys first.
@@ -400,15 +412,11 @@ static void finish_tile(const qtile *t, __m512 l, uint16_t *out, int64_t ldo, in
 static void pair_of_units(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t ldo, int g, int group,
                           int64_t u0, int64_t units, const cache_view *c, int64_t n, int64_t window, float scale,
                           const uint16_t *kp, const uint16_t *vt, qtile *t) {
-    int64_t dh = c->dh, tiles = (n + 15) / 16, last = 0, lo = INT64_MAX;
+    int64_t dh = c->dh, last = 0, lo = INT64_MAX;
     for (int i = 0; i < 2; i++) {
-        int64_t u = u0 + i < units ? u0 + i : u0;             // a stand-in repeats the first tile's rows
-        t[i].head = g * group + (int)(u % group);
-        t[i].i0 = 16 * (tiles - 1 - u / group);
-        t[i].rows = u0 + i < units ? (int)(n - t[i].i0 < 16 ? n - t[i].i0 : 16) : 0;
-        t[i].first = c->len - n + t[i].i0;
-        t[i].last = t[i].first + 15;
-        start_tile(&t[i], q, ldq, dh);
+        place_tile(&t[i], q, ldq, g, group, u0 + i < units ? u0 + i : u0, n, c);
+        if (u0 + i >= units)
+            t[i].rows = 0;                                 // a stand-in: the first tile's rows, all ignored
         if (t[i].rows) {
             int64_t end = t[i].first + t[i].rows - 1, from = window ? t[i].first - window + 1 : 0;
             last = end > last ? end : last;
@@ -429,18 +437,6 @@ static void pair_of_units(const uint16_t *q, int64_t ldq, uint16_t *out, int64_t
     finish_tile(&t[0], l[0], out, ldo, dh);
     if (t[1].rows)
         finish_tile(&t[1], l[1], out, ldo, dh);
-}
-
-// Tile u of KV head g (unit u, as pair_of_units numbers them) over the chunk's n rows, Q^T packed, O^T empty.
-static void place_tile(qtile *t, const uint16_t *q, int64_t ldq, int g, int group, int64_t u, int64_t n,
-                       const cache_view *c) {
-    int64_t tiles = (n + 15) / 16;
-    t->head = g * group + (int)(u % group);
-    t->i0 = 16 * (tiles - 1 - u / group);
-    t->rows = (int)(n - t->i0 < 16 ? n - t->i0 : 16);
-    t->first = c->len - n + t->i0;
-    t->last = t->first + 15;
-    start_tile(t, q, ldq, c->dh);
 }
 
 // Whether a tile's rows attend any key of the block from k0: not past the last row's position, not before the
