@@ -27,6 +27,8 @@
 
 #define MR 6      // rows per register tile: a 5-node draft tree's verification (6 rows) is one tile
 #define P 2       // accumulators per row and panel: MR x 2 panels x P = 24 independent vdpbf16ps chains
+#define REGS_ROWS5 12  // calls of up to this many rows expand kind 5's codes in registers for every tile of rows,
+#define REGS_ROWS4 6   // kind 4's (table look-ups, dearer) for one tile; more rows expand once into a buffer
 
 // A block's scales and mins for the kernel's sums: with mins, min' = min - shift * scale' (see the top).
 static inline void kernel_scales(const qdesc *q, const uint8_t *rec, __m512 *sc, __m512 *mn) {
@@ -148,6 +150,43 @@ static void run_row(const uint16_t *x, const qdesc *qd, const uint16_t *bias, in
     free(sx);
 }
 
+// Rows r0 .. r0 + mr of one block of kind 5 or 4, its codes expanded in registers a chunk at a time (as run_row
+// does) instead of into a buffer: a verification's few rows skip the buffer's stores and loads. The accumulators
+// and order of sums of rows_block, so every row equals a decode row bit for bit.
+static inline __attribute__((always_inline)) void rows_block_regs(const uint16_t *x, int64_t ldx, int mr,
+                                                                  const qdesc *q, const uint8_t *rec,
+                                                                  const __m512 *sc, const __m512 *mn, int sub,
+                                                                  const float *sx, float *tot) {
+    __m512 a[MR][2][P];
+    for (int r = 0; r < MR; r++)
+        for (int p = 0; p < 2; p++)
+            for (int j = 0; j < P; j++)
+                a[r][p][j] = _mm512_setzero_ps();
+    for (int c = 0; c < q->bkk / 2; c++) {
+        __m512bh w[4];
+        __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * c));
+        if (q->kind == 5)
+            chunk5(v, w);
+        else
+            chunk4(v, q->table, q->high, w);
+        for (int r = 0; r < MR; r++)
+            if (r < mr)
+                row1_chunk(w, x + r * ldx, c, a[r]);
+    }
+    for (int r = 0; r < mr; r++) {
+        __m512 s = _mm512_set1_ps(sx[r * q->nb]), corr = _mm512_set1_ps(q->shift * sx[r * q->nb]);
+        for (int p = 0; p < 2; p++) {
+            __m512 sum = _mm512_add_ps(a[r][p][0], a[r][p][1]);
+            if (sub)
+                sum = _mm512_sub_ps(sum, corr);
+            __m512 t = _mm512_fmadd_ps(sum, sc[p], _mm512_loadu_ps(tot + UNIT * r + 16 * p));
+            if (q->has_min)
+                t = _mm512_fmadd_ps(mn[p], s, t);
+            _mm512_storeu_ps(tot + UNIT * r + 16 * p, t);
+        }
+    }
+}
+
 static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, const uint16_t *bias, int64_t n,
                 void *y, int64_t ldy, int threads, int out_f32) {
     qdesc q = read_desc(desc);
@@ -155,6 +194,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
         run_row(x, &q, bias, n, y, threads, out_f32);
         return;
     }
+    int regs = (q.kind == 5 && m <= REGS_ROWS5) || (q.kind == 4 && m <= REGS_ROWS4);
     int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;
     int64_t tiles = (m + MR - 1) / MR, base = m / tiles, extra = m % tiles;   // tiles of base or base + 1 rows
     int sub = own_shift(&q);
@@ -173,7 +213,8 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
             for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
                 __m512 sc[2], mn[2];
                 prefetch_ahead(rec, q.record);
-                expand(rec, q.kind, q.bkk, q.table, q.high, buf);
+                if (!regs)
+                    expand(rec, q.kind, q.bkk, q.table, q.high, buf);
                 kernel_scales(&q, rec, sc, mn);
                 for (int64_t t = 0, r0 = 0; t < tiles; t++) {
                     int mr = (int)(base + (t < extra));
@@ -181,7 +222,9 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
                     const float *sxr = sx + r0 * q.nb + b;
                     float *tr = tot + UNIT * r0;
                     // a constant row count per call: the accumulators stay in registers
-                    #define ROWS(R) rows_block(xr, ldx, R, q.bkk, buf, sc, mn, q.has_min, sub, q.shift, sxr, q.nb, tr)
+                    #define ROWS(R) (regs ? rows_block_regs(xr, ldx, R, &q, rec, sc, mn, sub, sxr, tr) \
+                                      : rows_block(xr, ldx, R, q.bkk, buf, sc, mn, q.has_min, sub, q.shift, sxr, \
+                                                   q.nb, tr))
                     switch (mr) {
                         case 1: ROWS(1); break;
                         case 2: ROWS(2); break;
