@@ -25,7 +25,7 @@ ROUTER_COMPOSED = frozenset({"draft", "chat_template", "registry", "tls_ca", "tl
 # ... and those prefill-only targets do without: they compute prompts, never decode
 DECODE_ONLY = frozenset({
     "speculative", "num_speculative_tokens", "adaptive_speculation", "speculation_guard", "lookup_speculation",
-    "speculative_max_seqs",
+    "speculative_max_seqs", "num_lookup_tokens",
     "draft_confidence", "draft_tree_nodes", "draft_tree_ngram", "stream_interval"})
 
 

@@ -30,6 +30,12 @@ def num_speculative_tokens() -> Any:
     return option(3, "default K, the draft tokens verified per step")
 
 
+def num_lookup_tokens() -> Any:
+    return option(8, "prompt lookup's chains (where a sequence's text repeats its context): up to this many tokens "
+                     "for requests that leave K to the deployment (a copied span is accepted far deeper than a "
+                     "draft head's guesses); requests that set num_speculative_tokens get chains of up to theirs")
+
+
 def adaptive_speculation() -> Any:
     return option(True, "each request's K follows its acceptance (one more after all drafts were accepted, one "
                         "fewer after none, between 1 and K); false: always K")
@@ -51,7 +57,7 @@ def speculation_guard() -> Any:
 def lookup_speculation() -> Any:
     return option(False, "the targets draft by prompt lookup the requests that reach them without a draft service "
                          "(the router's guard or the load kept them from one) where their text repeats its context "
-                         "(a rewrite, an edit, a quote): chains of up to --num-speculative-tokens, verified as any "
+                         "(a rewrite, an edit, a quote): chains of up to --num-lookup-tokens, verified as any "
                          "draft; requests with num_speculative_tokens 0 never speculate")
 
 

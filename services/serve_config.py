@@ -12,6 +12,7 @@ from shared.engine.config import (
     check_dtype,
     check_speculative_max_seqs,
     check_kv_store,
+    check_lookup_tokens,
     check_tree_ngram,
     check_tree_shape,
     check_wide_threads,
@@ -74,6 +75,7 @@ class ServeConfig:
                                      "eagle:PATH): the router sends speculative requests to it, and it drives "
                                      "a Verify stream to the chosen target")
     num_speculative_tokens: int = options.num_speculative_tokens()
+    num_lookup_tokens: int = options.num_lookup_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
     speculation_guard: bool = options.speculation_guard()
     lookup_speculation: bool = options.lookup_speculation()
@@ -116,6 +118,7 @@ class ServeConfig:
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
+        check_lookup_tokens(self.num_lookup_tokens)
         if self.stream_interval < 0:
             raise ValueError(f"stream_interval must be >= 0, got {self.stream_interval}")
         check_speculative_max_seqs(self.speculative_max_seqs)

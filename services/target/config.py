@@ -10,6 +10,7 @@ from shared.engine.config import (
     check_draft_confidence,
     check_dtype,
     check_kv_store,
+    check_lookup_tokens,
     check_speculative_max_seqs,
     check_tree_ngram,
     check_tree_shape,
@@ -61,6 +62,7 @@ class TargetConfig(options.TLS):
     stream_interval: int = options.stream_interval()
     speculative: str | None = option(None, "speculative proposer: ngram or draft-model:PATH (default: none)")
     num_speculative_tokens: int = options.num_speculative_tokens()
+    num_lookup_tokens: int = options.num_lookup_tokens()
     adaptive_speculation: bool = options.adaptive_speculation()
     speculation_guard: bool = options.speculation_guard()
     lookup_speculation: bool = options.lookup_speculation()
@@ -101,6 +103,7 @@ class TargetConfig(options.TLS):
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
+        check_lookup_tokens(self.num_lookup_tokens)
         check_speculative_max_seqs(self.speculative_max_seqs)
         check_wide_threads(self.wide_threads)
         check_kv_store(self.kv_store, self.kv_store_gb, self.kv_store_ttl_s, self.kv_host_gb, self.kv_disk_gb)

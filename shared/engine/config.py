@@ -46,6 +46,7 @@ class EngineConfig:
     kv_disk_gb: float = 10.0              # its size budget (least recently used blocks go first)
     speculative: str | None = None        # proposer: "ngram" or "draft-model:PATH" (None = no speculation)
     num_speculative_tokens: int = 3       # K, the default of requests that do not set it
+    num_lookup_tokens: int = 8            # prompt lookup's chains, for requests that do not set K: up to this many
     adaptive_speculation: bool = True     # per request, K follows acceptance (up to K); False: always K
     speculative_max_seqs: int = 0         # speculate only while at most this many sequences run (0 = always)
     speculation_guard: bool = False       # speculate only while it measures cheaper a token (engine.spec_guard)
@@ -74,6 +75,7 @@ class EngineConfig:
         check_draft_confidence(self.draft_confidence)
         check_tree_shape(self.draft_tree_nodes)
         check_tree_ngram(self.draft_tree_ngram)
+        check_lookup_tokens(self.num_lookup_tokens)
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
@@ -139,6 +141,12 @@ def check_tree_ngram(value: int | None) -> None:
     """The one check of a draft_tree_ngram setting (target, draft and serve configs)."""
     if value is not None and value < 0:
         raise ValueError(f"draft_tree_ngram must be >= 0 (0 = off), got {value}")
+
+
+def check_lookup_tokens(value: int) -> None:
+    """The one check of a num_lookup_tokens setting (engine, target and serve configs)."""
+    if value < 1:
+        raise ValueError(f"num_lookup_tokens must be >= 1, got {value}")
 
 
 def check_draft_confidence(value: float | None) -> None:

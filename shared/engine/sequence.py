@@ -25,7 +25,7 @@ class Sequence:
                  "params", "status", "block_table", "finish_reason", "generator", "num_cached_tokens",
                  "block_hashes", "num_committed_blocks", "cache_extra", "spec_tokens", "spec_probs", "spec_parents",
                  "spec_k", "num_draft_tokens", "num_accepted_tokens", "trace_ctx", "prefill_start_ns",
-                 "num_released_blocks", "long_rope", "guide", "prompt_logprobs", "chain_only")
+                 "num_released_blocks", "long_rope", "guide", "prompt_logprobs", "chain_only", "lookup_k")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  cache_extra: bytes = b"") -> None:
@@ -48,6 +48,7 @@ class Sequence:
         self.spec_probs = None                   # their draft probabilities q [K, V], None for point masses
         self.spec_parents: list[int] | None = None   # a draft tree's parent indices (shared.tree); None: chain
         self.spec_k = 0                          # adaptive number of tokens to propose (0 = not decided yet)
+        self.lookup_k = 0                        # this step's longest prompt-lookup chain (0: spec_k's)
         self.chain_only = False                  # a draft service's mirror: its target verifies chains only
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -28,10 +28,22 @@ class SpeculationMixin:
             return 0
         if seq.spec_k == 0:
             seq.spec_k = k_max
-        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+        return max(0, min(seq.spec_k, k_max, self._spec_room(seq)))
+
+    def _spec_room(self, seq: Sequence) -> int:
+        """The most draft tokens the sequence can take this step (its max_tokens, the context window)."""
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
         if self.long_rope_after is not None and not seq.long_rope:   # no draft past the switch to the long factors
             room = min(room, self.long_rope_after - len(seq))
-        return max(0, min(seq.spec_k, k_max, room))
+        return room
+
+    def _lookup_k(self, seq: Sequence, k: int) -> int:
+        """The longest prompt-lookup chain of a sequence whose proposer would draft k: num_lookup_tokens for
+        requests that leave K to the deployment (a copied span is accepted far deeper than a head's guesses, and a
+        sequence's lookup misses rest it from lookup: shared.spec.lookup), else their own K's k."""
+        if seq.params.num_speculative_tokens is not None:
+            return k
+        return max(1, min(self.cfg.num_lookup_tokens, self._spec_room(seq)))
 
     def _guarded_decodes(self) -> int:
         """With the speculation guard on: the number of sequences, when every one decodes (no prefill, none
@@ -73,6 +85,7 @@ class SpeculationMixin:
             if seq.num_uncomputed == 1 and not seq.spec_tokens and seq.num_output_tokens > 0:
                 k = self._spec_k(seq)
                 if k:
+                    seq.lookup_k = self._lookup_k(seq, k)
                     (looked if by_lookup else seqs).append(seq)
                     (looked_ks if by_lookup else ks).append(k)
         if not seqs and not looked:

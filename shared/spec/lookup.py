@@ -2,8 +2,10 @@
 
 When an answer copies its prompt (a rewrite, a correction, code edited in place, a quoted list), the tokens that
 followed the latest earlier occurrence of the sequence's last n tokens are a better draft than a small head's, and
-cost nothing to make: no head pass, only a chain of up to K tokens for the target to verify. `LookupFirst.chains`
-picks those sequences; the proposer drafts the others as before.
+cost nothing to make: no head pass, only a chain for the target to verify: up to the sequence's `lookup_k` (the
+engine's num_lookup_tokens for requests that leave K to the deployment, as a copied span is accepted far deeper
+than a head's guesses; else K). `LookupFirst.chains` picks those sequences; the proposer drafts the others as
+before.
 
 A sequence whose lookup drafts were refused outright twice in a row (the text only looked like a repeat) rests
 from lookup for REST_STEPS proposals. Point-mass drafts (no q) keep rejection sampling exact for sampled requests
@@ -102,6 +104,7 @@ class LookupFirst:
                 track.rest -= 1
                 continue
             chain: list[int] = []
+            k = seq.lookup_k or k                               # the engine's cap for lookup chains, if it set one
             for n in range(self.n + LONGER, self.n - 1, -1):    # the longest match places the copy best
                 chain = track.index.continuation(seq.token_ids, k, n)
                 if chain:

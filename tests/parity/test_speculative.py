@@ -103,6 +103,34 @@ def test_lookup_for_requests_without_a_proposer_keeps_greedy_output(tiny, greedy
     assert [o[0] for o in eng.generate(PROMPTS, off)] == greedy_ref and eng.stats_draft == drafted
 
 
+def test_lookup_chains_run_to_num_lookup_tokens_unless_the_request_sets_k(tiny):
+    """Lookup chains of requests that leave K to the deployment go up to num_lookup_tokens (past K); a request that
+    sets its own K gets chains of up to that K; greedy output unchanged either way. The tiny model repeats the
+    prompt's last token, whose pair opens the prompt: its first decode step finds a long continuation."""
+    from shared.spec.proposer_mux import ProposerMux
+    prompt = [5, 5] + list(range(10, 80)) + [5]
+    plain = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = plain.generate([prompt], params)[0][0]
+    eng = build_engine(EngineConfig(model=tiny, progress=False, num_kv_blocks=128, block_size=4,
+                                    num_speculative_tokens=2, num_lookup_tokens=7))
+    eng.proposer = ProposerMux(eng.proposer, lookup_n=1, lookup_unbound=True)
+    lengths: list[int] = []
+    chains = eng.proposer.lookup.chains
+
+    def recorded(seqs, ks):
+        out = chains(seqs, ks)
+        lengths.extend(len(c) for c in out.values())
+        return out
+    eng.proposer.lookup.chains = recorded
+    assert eng.generate([prompt], params)[0][0] == want
+    assert max(lengths) == 7
+    lengths.clear()
+    own_k = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, num_speculative_tokens=2)
+    assert eng.generate([prompt], own_k)[0][0] == want
+    assert max(lengths) == 2
+
+
 # ---------------------------------------------------------------- distribution exactness
 V = 16
 

@@ -48,6 +48,9 @@ def test_chains_follow_the_longest_earlier_match():
     assert lookup.chains([seq([1, 2, 3, 1, 2])], [3]) == {0: [3, 1, 2]}
     assert lookup.chains([seq([1, 2, 3, 1, 2])], [0]) == {}                  # K = 0: no draft at all
     assert LookupFirst(0).chains([s], [3]) == {}                             # off
+    s = seq([1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
+    s.lookup_k = 5                                                           # the engine's cap for lookup chains
+    assert LookupFirst(2).chains([s], [2]) == {0: [3, 4, 5, 6, 7]}
 
 
 def test_a_sequence_whose_lookups_miss_rests_then_tries_again():
