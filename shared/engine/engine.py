@@ -162,8 +162,10 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         if self.long_rope_after is not None:
             self._switch_long_rope()
         t_start = time.perf_counter()
-        # a sequence's first proposal also reads its whole prompt into the draft: paid once, so not measured
-        first = self.cfg.speculation_guard and any(s.num_output_tokens <= 1 for s in self.scheduler.running)
+        # not measured: a sequence's first proposal (it also reads its whole prompt into the draft: paid once), and
+        # steps with a sequence whose request set its own K (it drafts, or not, whatever the guard says)
+        unmeasured = self.cfg.speculation_guard and any(s.num_output_tokens <= 1 or s.params.num_speculative_tokens
+                                                         is not None for s in self.scheduler.running)
         guarded, drafting, looked = self._propose_step()
         batch = self.scheduler.schedule()
         if not batch:
@@ -209,7 +211,7 @@ class LLMEngine(SpeculationMixin, KVTransferMixin, BeamStepsMixin, LongRopeMixin
         self.last_step_s = time.perf_counter() - t0
         if self.scheduler.pacer is not None:
             self.scheduler.pacer.observe(*split, self.last_step_s)
-        if guarded and not first:
+        if guarded and not unmeasured:
             emitted = sum(len(d.token_ids) for d in deltas)
             self.spec_guard.observe(guarded, drafting, time.perf_counter() - t_start, emitted,
                                     None if drafting else looked)

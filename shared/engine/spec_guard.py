@@ -15,7 +15,8 @@ of steps that verified them against that of steps that drafted nothing. Where th
 step's extra rows are dear (a CPU whose plain step is a few ms), its chains cost more than they bring and the step
 decodes plainly; where the answer copies the prompt they pay many times over.
 
-Only steps whose sequences all decode count (a prefill's rows would swamp them). Greedy output is the same either way
+Only steps whose sequences all decode and leave K to the deployment count (a prefill's rows would swamp them; a
+request that set its own K drafts, or not, whatever the guard chose). Greedy output is the same either way
 and sampled output keeps its distribution, so the choice changes speed only.
 """
 from __future__ import annotations

@@ -123,6 +123,11 @@ def test_the_engine_follows_the_guard(tmp_path):
     own = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=2)
     assert eng.generate([PROMPT], own)[0][0] == greedy
     assert prop.asked and set(prop.asked) <= {1, 2}          # its own K: drafted for anyway
+    zero = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=0)
+    assert eng.generate([PROMPT], zero)[0][0] == greedy
+    # steps of requests that set their own K say nothing of the guard's choice: not measured (K = 0 requests'
+    # steps counted as drafting steps made drafting look as cheap as plain decoding)
+    assert len(plain.seen) == 12 - 2
     eng.spec_guard = spec = Fixed(True)
     prop.asked = []
     assert eng.generate([PROMPT], params)[0][0] == greedy
