@@ -29,6 +29,7 @@
 #define P 2       // accumulators per row and panel: MR x 2 panels x P = 24 independent vdpbf16ps chains
 #define REGS_ROWS5 12  // calls of up to this many rows expand kind 5's codes in registers for every tile of rows,
 #define REGS_ROWS4 6   // kind 4's (table look-ups, dearer) for one tile; more rows expand once into a buffer
+#define REGS_ROWS7 12  // kind 7's (bytes: two unpacks a pair); kind 8's conversions stay in the buffer
 
 // A block's scales and mins for the kernel's sums: with mins, min' = min - shift * scale' (see the top).
 static inline void kernel_scales(const qdesc *q, const uint8_t *rec, __m512 *sc, __m512 *mn) {
@@ -150,7 +151,7 @@ static void run_row(const uint16_t *x, const qdesc *qd, const uint16_t *bias, in
     free(sx);
 }
 
-// Rows r0 .. r0 + mr of one block of kind 5 or 4, its codes expanded in registers a chunk at a time (as run_row
+// Rows r0 .. r0 + mr of one block of kind 5, 4 or 7, its codes expanded in registers a chunk at a time (as run_row
 // does) instead of into a buffer: a verification's few rows skip the buffer's stores and loads. The accumulators
 // and order of sums of rows_block, so every row equals a decode row bit for bit.
 static inline __attribute__((always_inline)) void rows_block_regs(const uint16_t *x, int64_t ldx, int mr,
@@ -165,10 +166,18 @@ static inline __attribute__((always_inline)) void rows_block_regs(const uint16_t
     for (int c = 0; c < q->bkk / 2; c++) {
         __m512bh w[4];
         __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * c));
-        if (q->kind == 5)
+        if (q->kind == 5) {
             chunk5(v, w);
-        else
+        } else if (q->kind == 4) {
             chunk4(v, q->table, q->high, w);
+        } else {                                           // kind 7: a 64-byte chunk per pair, as expand reads it
+            __m512i v0 = _mm512_loadu_si512((const void *)(rec + 128 * c)), v1 = _mm512_loadu_si512(
+                (const void *)(rec + 128 * c + 64));
+            w[0] = (__m512bh)_mm512_unpacklo_epi8(v0, q->high);
+            w[1] = (__m512bh)_mm512_unpackhi_epi8(v0, q->high);
+            w[2] = (__m512bh)_mm512_unpacklo_epi8(v1, q->high);
+            w[3] = (__m512bh)_mm512_unpackhi_epi8(v1, q->high);
+        }
         for (int r = 0; r < MR; r++)
             if (r < mr)
                 row1_chunk(w, x + r * ldx, c, a[r]);
@@ -194,7 +203,8 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
         run_row(x, &q, bias, n, y, threads, out_f32);
         return;
     }
-    int regs = (q.kind == 5 && m <= REGS_ROWS5) || (q.kind == 4 && m <= REGS_ROWS4);
+    int regs = (q.kind == 5 && m <= REGS_ROWS5) || (q.kind == 4 && m <= REGS_ROWS4)
+               || (q.kind == 7 && m <= REGS_ROWS7);
     int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;
     int64_t tiles = (m + MR - 1) / MR, base = m / tiles, extra = m % tiles;   // tiles of base or base + 1 rows
     int sub = own_shift(&q);
