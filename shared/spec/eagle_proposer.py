@@ -60,7 +60,7 @@ class DraftPolicy:
     depth: int = 4                  # the head drafts at most this many tokens deep (K beyond it: lookup chains)
     int8_head: bool = True          # the LM head's rows as int8 blocks (EagleHead.pack): half a pass's biggest read
     lookup_n: int = LOOKUP_N        # a sequence whose last lookup_n tokens occurred before is drafted by prompt
-    # lookup alone, a chain of up to K tokens, without the head's passes (0: off; shared.spec.lookup)
+    # lookup alone, a chain (up to the sequence's lookup_k), without the head's passes (0: off; shared.spec.lookup)
 
 
 SERVING = DraftPolicy()
