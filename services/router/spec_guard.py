@@ -8,7 +8,9 @@ themselves are measured as they ran (but K = 0 where the targets draft the reque
 by prompt lookup: that side speculates too, and a plain request says nothing about it); the others speculate while
 the speculative rate is at least the plain rate, and every `explore_every`-th of them takes the other side so that
 both rates stay current (every RARE x `explore_every`-th while one side is CLEAR_MARGIN times faster: exploring a
-clear loser costs throughput), unless requests that set their own K measured that side meanwhile.
+clear loser costs throughput), unless requests that set their own K measured that side meanwhile. With lookup at the
+targets a near tie (drafts less than LOOKUP_TIE times faster) goes to the side without drafts: it copies as fast,
+and the draft service's relay and probes cost CPU the target's steps share.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import logging
 
 log = logging.getLogger("upesi.router")
 CLEAR_MARGIN, RARE = 1.25, 4    # a side this many times faster: the other is explored RARE times less often
+LOOKUP_TIE = 1.05               # with lookup at the targets, drafts are kept only while this many times faster
 
 
 class SpeculationGuard:
@@ -35,7 +38,9 @@ class SpeculationGuard:
         spec, plain = self.rate[True], self.rate[False]
         if spec is None:
             return True                                  # nothing measured yet: the deployment's default
-        better = plain is None or spec >= plain
+        # with lookup at the targets the side without drafts gets the copies' speed-up too, without the draft
+        # service's relay and probes (CPU the target's steps share): a near tie goes to it
+        better = plain is None or spec >= plain * (LOOKUP_TIE if self.lookup_at_targets else 1.0)
         clear = plain is not None and max(spec, plain) >= CLEAR_MARGIN * min(spec, plain)
         every = self.explore_every * (RARE if clear else 1)
         last = self.measured[not better]

@@ -81,6 +81,19 @@ def test_plain_requests_do_not_measure_a_side_that_drafts_by_lookup():
         assert g.rate[False] == 200
 
 
+def test_with_lookup_at_the_targets_a_near_tie_goes_to_the_side_without_drafts():
+    """That side gets lookup's speed-up too, without the draft service's relay and probes: drafts only while
+    LOOKUP_TIE times faster; without lookup at the targets a tie still keeps drafting."""
+    from services.router.spec_guard import LOOKUP_TIE, SpeculationGuard
+    for lookup in (False, True):
+        g = SpeculationGuard(explore_every=1000, alpha=1.0, lookup_at_targets=lookup)
+        g.record(True, 102, 1.0)                                    # 2% faster with drafts
+        g.record(False, 100, 1.0)
+        assert g.use_drafts() == (not lookup)
+        g.record(True, 100 * LOOKUP_TIE + 1, 1.0)                   # clearly faster: drafts either way
+        assert g.use_drafts()
+
+
 def test_router_follows_the_guard_for_a_request_alone_only():
     f = frontend(1)
     f.in_flight = 1
