@@ -104,11 +104,12 @@ class LookupFirst:
                 track.rest -= 1
                 continue
             chain: list[int] = []
-            k = seq.lookup_k or k                               # the engine's cap for lookup chains, if it set one
+            longest = seq.lookup_k or k                         # the engine's cap for lookup chains, if it set one
             for n in range(self.n + LONGER, self.n - 1, -1):    # the longest match places the copy best
-                chain = track.index.continuation(seq.token_ids, k, n)
+                chain = track.index.continuation(seq.token_ids, longest, n)
                 if chain:
                     break
+            # measured against the proposer's k, as a draft service's mirror of the sequence (no lookup_k) does
             if len(chain) >= min(k, MIN_CHAIN):
                 track.base, track.chain = len(seq.token_ids), chain
                 out[i] = chain
