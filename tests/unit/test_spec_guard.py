@@ -8,7 +8,7 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.spec_guard import BARE, LOOKUP, PROBE_EVERY, RARE, WEIGHT, SpecGuard
+from shared.engine.spec_guard import BARE, LOOKUP, PROBE_EVERY, PROBE_STEPS, RARE, WEIGHT, SpecGuard
 from shared.sampling_params import SamplingParams
 from shared.testing.scripted_proposer import PROMPT, Scripted
 from shared.testing.tiny_llama import save_tiny
@@ -26,7 +26,8 @@ def test_plain_steps_are_probed_once_speculation_is_measured():
     g = SpecGuard()
     g.observe(1, True, 0.03, 2)
     got = choices(g, 1, 2 * PROBE_EVERY)
-    assert got.count(False) == 2 and not got[PROBE_EVERY - 1] and not got[2 * PROBE_EVERY - 1]
+    assert got.count(False) == 2 * PROBE_STEPS and not any(got[PROBE_EVERY - PROBE_STEPS:PROBE_EVERY])
+    assert not any(got[2 * PROBE_EVERY - PROBE_STEPS:])
 
 
 def test_the_cheaper_kind_per_token_wins_and_the_other_is_probed():
@@ -36,8 +37,8 @@ def test_the_cheaper_kind_per_token_wins_and_the_other_is_probed():
     g.observe(4, True, 0.072, 8)             # 9 ms a token at 4 sequences
     g.observe(4, False, 0.040, 4)            # 10 ms
     one, four = choices(g, 1, PROBE_EVERY), choices(g, 4, PROBE_EVERY)
-    assert one.count(True) == 1 and one[-1]                 # plain, but for the probe
-    assert four.count(False) == 1 and not four[-1]          # speculative, but for the probe
+    assert one.count(True) == PROBE_STEPS and all(one[-PROBE_STEPS:])             # plain, but for the probe
+    assert four.count(False) == PROBE_STEPS and not any(four[-PROBE_STEPS:])       # speculative, but for the probe
     assert all(choices(g, 2, 5))                            # another batch size: not measured yet
 
 
@@ -48,7 +49,29 @@ def test_a_clear_winner_is_probed_rarely():
     g.observe(1, True, 0.012, 2)
     g.observe(1, False, 0.010, 1)
     got = choices(g, 1, RARE * PROBE_EVERY)
-    assert got.count(False) == 1 and not got[-1]
+    assert got.count(False) == PROBE_STEPS and not any(got[-PROBE_STEPS:])
+
+
+def test_the_first_step_after_a_switch_is_not_measured():
+    """A probe's first step still pays for the kind it left (a draft catching up): only its second counts."""
+    g = SpecGuard()
+    g.observe(1, True, 0.014, 2)
+    g.observe(1, False, 0.008, 1)                            # 7 ms a token speculating, 8 plainly
+    before = dict(g.averages)
+    for _ in range(PROBE_EVERY - PROBE_STEPS):
+        assert g.speculate(1)
+        g.observe(1, True, 0.014, 2)
+    assert not g.speculate(1)                                # the probe's first step: a switch
+    g.observe(1, False, 0.100, 1)
+    assert g.averages[(1, False)] == before[(1, False)]
+    assert not g.speculate(1)                                # its second: measured
+    g.observe(1, False, 0.008, 1)
+    assert g.averages[(1, False)] == before[(1, False)]      # the same cost as before: unchanged
+    g.observe(1, False, 0.020, 1)
+    assert g.cost[(1, False)] > 0.008
+    assert g.speculate(1)                                    # back: a switch again, not measured
+    g.observe(1, True, 0.100, 2)
+    assert g.averages[(1, True)] == before[(1, True)]
 
 
 def test_costs_are_exponential_averages_per_token():
