@@ -43,7 +43,7 @@ class SpeculationMixin:
         sequence's lookup misses rest it from lookup: shared.spec.lookup), else their own K's k."""
         if seq.params.num_speculative_tokens is not None:
             return k
-        return max(1, min(self.cfg.num_lookup_tokens, self._spec_room(seq)))
+        return min(self.cfg.num_lookup_tokens, self._spec_room(seq))    # room >= k >= 1
 
     def _guarded_decodes(self) -> int:
         """With the speculation guard on: the number of sequences, when every one decodes (no prefill, none

@@ -46,8 +46,26 @@ static inline int own_shift(const qdesc *q) {
     return q->shift != 0.f && !q->has_min;
 }
 
-// Rows r0 .. r0 + mr of one block: tot [rows][32] += scale * (x . e - shift * sx) (no mins; `sub`: shift is not
-// 0), or scale * x . e + min' * sx (mins).
+// A block's sums a [rows][2 panels][P] of rows r0 .. r0 + mr into their totals: tot [rows][32] += scale * (x . e -
+// shift * sx) (no mins; `sub`: shift is not 0), or scale * x . e + min' * sx (mins).
+static inline __attribute__((always_inline)) void block_totals(__m512 (*a)[2][P], int mr, const __m512 *sc,
+                                                               const __m512 *mn, int has_min, int sub, float shift,
+                                                               const float *sx, int64_t nb, float *tot) {
+    for (int r = 0; r < mr; r++) {
+        __m512 s = _mm512_set1_ps(sx[r * nb]), corr = _mm512_set1_ps(shift * sx[r * nb]);
+        for (int p = 0; p < 2; p++) {
+            __m512 sum = _mm512_add_ps(a[r][p][0], a[r][p][1]);
+            if (sub)
+                sum = _mm512_sub_ps(sum, corr);
+            __m512 t = _mm512_fmadd_ps(sum, sc[p], _mm512_loadu_ps(tot + UNIT * r + 16 * p));
+            if (has_min)
+                t = _mm512_fmadd_ps(mn[p], s, t);
+            _mm512_storeu_ps(tot + UNIT * r + 16 * p, t);
+        }
+    }
+}
+
+// Rows r0 .. r0 + mr of one block from its expanded codes in buf (block_totals has the arithmetic).
 static inline __attribute__((always_inline)) void rows_block(const uint16_t *x, int64_t ldx, int mr, int bkk,
                                                              const __m512bh *buf, const __m512 *sc, const __m512 *mn,
                                                              int has_min, int sub, float shift, const float *sx,
@@ -68,18 +86,7 @@ static inline __attribute__((always_inline)) void rows_block(const uint16_t *x, 
                 }
             }
         }
-    for (int r = 0; r < mr; r++) {
-        __m512 s = _mm512_set1_ps(sx[r * nb]), corr = _mm512_set1_ps(shift * sx[r * nb]);
-        for (int p = 0; p < 2; p++) {
-            __m512 sum = _mm512_add_ps(a[r][p][0], a[r][p][1]);
-            if (sub)
-                sum = _mm512_sub_ps(sum, corr);
-            __m512 t = _mm512_fmadd_ps(sum, sc[p], _mm512_loadu_ps(tot + UNIT * r + 16 * p));
-            if (has_min)
-                t = _mm512_fmadd_ps(mn[p], s, t);
-            _mm512_storeu_ps(tot + UNIT * r + 16 * p, t);
-        }
-    }
+    block_totals(a, mr, sc, mn, has_min, sub, shift, sx, nb, tot);
 }
 
 // One row (a decode): a block's codes expanded in registers and multiplied at once, the unit's totals in registers;
@@ -116,11 +123,7 @@ static void run_row(const uint16_t *x, const qdesc *qd, const uint16_t *bias, in
                 if (q.kind == 5 || q.kind == 4) {                  // expanded in registers
                     for (int c = 0; c < q.bkk / 2; c++) {
                         __m512bh w[4];
-                        __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * c));
-                        if (q.kind == 5)
-                            chunk5(v, w);
-                        else
-                            chunk4(v, q.table, q.high, w);
+                        chunk_pairs(rec, q.kind, c, q.table, q.high, w);
                         row1_chunk(w, xb, c, a);
                     }
                 } else {
@@ -165,35 +168,12 @@ static inline __attribute__((always_inline)) void rows_block_regs(const uint16_t
                 a[r][p][j] = _mm512_setzero_ps();
     for (int c = 0; c < q->bkk / 2; c++) {
         __m512bh w[4];
-        __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * c));
-        if (q->kind == 5) {
-            chunk5(v, w);
-        } else if (q->kind == 4) {
-            chunk4(v, q->table, q->high, w);
-        } else {                                           // kind 7: a 64-byte chunk per pair, as expand reads it
-            __m512i v0 = _mm512_loadu_si512((const void *)(rec + 128 * c)), v1 = _mm512_loadu_si512(
-                (const void *)(rec + 128 * c + 64));
-            w[0] = (__m512bh)_mm512_unpacklo_epi8(v0, q->high);
-            w[1] = (__m512bh)_mm512_unpackhi_epi8(v0, q->high);
-            w[2] = (__m512bh)_mm512_unpacklo_epi8(v1, q->high);
-            w[3] = (__m512bh)_mm512_unpackhi_epi8(v1, q->high);
-        }
+        chunk_pairs(rec, q->kind, c, q->table, q->high, w);
         for (int r = 0; r < MR; r++)
             if (r < mr)
                 row1_chunk(w, x + r * ldx, c, a[r]);
     }
-    for (int r = 0; r < mr; r++) {
-        __m512 s = _mm512_set1_ps(sx[r * q->nb]), corr = _mm512_set1_ps(q->shift * sx[r * q->nb]);
-        for (int p = 0; p < 2; p++) {
-            __m512 sum = _mm512_add_ps(a[r][p][0], a[r][p][1]);
-            if (sub)
-                sum = _mm512_sub_ps(sum, corr);
-            __m512 t = _mm512_fmadd_ps(sum, sc[p], _mm512_loadu_ps(tot + UNIT * r + 16 * p));
-            if (q->has_min)
-                t = _mm512_fmadd_ps(mn[p], s, t);
-            _mm512_storeu_ps(tot + UNIT * r + 16 * p, t);
-        }
-    }
+    block_totals(a, mr, sc, mn, q->has_min, sub, q->shift, sx, q->nb, tot);
 }
 
 static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, const uint16_t *bias, int64_t n,

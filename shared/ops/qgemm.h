@@ -32,21 +32,35 @@ static inline void chunk4(__m512i v, __m512i table, __m512i high, __m512bh *w) {
     w[3] = (__m512bh)_mm512_unpackhi_epi8(l1, h1);
 }
 
+// Whether chunk_pairs expands a kind (the others convert each code: expand's last branch).
+static inline int in_chunks(int kind) {
+    return kind == 5 || kind == 4 || kind == 7;
+}
+
+// Pairs 2c and 2c + 1 of a block of kind 5, 4 or 7 -> w[4] in registers (w[2 (pair - 2c) + panel]). Kinds 5 and 4:
+// a 64-byte chunk per 2 pairs; kind 7: a 64-byte chunk per pair, lane halves the panels. Kind 4 reads `table` and
+// `high` as the two byte tables, kind 7 `high` as the one high byte.
+static inline __attribute__((always_inline)) void chunk_pairs(const uint8_t *codes, int kind, int c, __m512i table,
+                                                              __m512i high, __m512bh *w) {
+    if (kind == 5) {
+        chunk5(_mm512_loadu_si512((const void *)(codes + 64 * c)), w);
+    } else if (kind == 4) {
+        chunk4(_mm512_loadu_si512((const void *)(codes + 64 * c)), table, high, w);
+    } else {
+        __m512i v0 = _mm512_loadu_si512((const void *)(codes + 128 * c));
+        __m512i v1 = _mm512_loadu_si512((const void *)(codes + 128 * c + 64));
+        w[0] = (__m512bh)_mm512_unpacklo_epi8(v0, high);
+        w[1] = (__m512bh)_mm512_unpackhi_epi8(v0, high);
+        w[2] = (__m512bh)_mm512_unpacklo_epi8(v1, high);
+        w[3] = (__m512bh)_mm512_unpackhi_epi8(v1, high);
+    }
+}
+
 // Expands one block of a unit into buf [BKK][2][32] bf16: feature pairs (2kk, 2kk + 1) of the unit's 32 columns.
-// Kind 4 reads `table` and `high` as the two byte tables; kind 7 `high` as the one high byte.
 static inline void expand(const uint8_t *codes, int kind, int bkk, __m512i table, __m512i high, __m512bh *buf) {
-    if (kind == 5) {             // a 64-byte chunk per 2 pairs
+    if (in_chunks(kind)) {
         for (int c = 0; c < bkk / 2; c++)
-            chunk5(_mm512_loadu_si512((const void *)(codes + 64 * c)), buf + 4 * c);
-    } else if (kind == 4) {      // a 64-byte chunk per 2 pairs
-        for (int c = 0; c < bkk / 2; c++)
-            chunk4(_mm512_loadu_si512((const void *)(codes + 64 * c)), table, high, buf + 4 * c);
-    } else if (kind == 7) {      // a 64-byte chunk per pair; lane halves are the panels
-        for (int c = 0; c < bkk; c++) {
-            __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * c));
-            buf[2 * c] = (__m512bh)_mm512_unpacklo_epi8(v, high);
-            buf[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi8(v, high);
-        }
+            chunk_pairs(codes, kind, c, table, high, buf + 4 * c);
     } else {                     // 32 bytes per pair and panel: each column's two features side by side
         for (int i = 0; i < 2 * bkk; i++) {
             const uint8_t *c = codes + 32 * i;
@@ -190,11 +204,7 @@ static inline void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pa
         uint16_t *out = pan + b * q->bkk * 32;
         for (int c = 0; c < q->bkk / 2 && (q->kind == 5 || q->kind == 4); c++) {
             __m512bh w[4];                                 // pairs 2c, 2c + 1 of both panels
-            __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * c));
-            if (q->kind == 5)
-                chunk5(v, w);
-            else
-                chunk4(v, q->table, q->high, w);
+            chunk_pairs(rec, q->kind, c, q->table, q->high, w);
             for (int j = 0; j < 4; j++)
                 _mm512_store_si512((void *)(out + ((j % 2) * kk_n + 2 * c + j / 2) * 32),
                                    dequant_pair((__m512i)w[j], shift, sc[j % 2], mn[j % 2], interleave));
