@@ -56,7 +56,7 @@ def _kinds() -> dict:
         g = torch.Generator().manual_seed(0)
         kinds["q4_1-packed"] = (torch.bfloat16, lambda w: qgemm.QWeight(example("u4", *w.shape, 32, g, True)),
                                 lambda x, w: qgemm.linear(x, w))
-        kinds["nvfp4-packed"] = (torch.bfloat16, lambda w: qgemm.QWeight(example("e2m1", *w.shape, 16, g, False)),
+        kinds["nvfp4-packed"] = (torch.bfloat16, lambda w: qgemm.QWeight(example("nvfp4", *w.shape, 16, g, False)),
                                  lambda x, w: qgemm.linear(x, w))
     return kinds
 

@@ -148,7 +148,7 @@ static void run_row(const uint16_t *x, const qdesc *qd, const uint16_t *bias, in
             }
             _mm512_store_ps(tot, t0);
             _mm512_store_ps(tot + 16, t1);
-            store_unit(tot, 1, bias, n, u * UNIT, y, 0, out_f32);
+            store_unit(tot, 1, q.cols, bias, n, u * UNIT, y, 0, out_f32);
         }
     }
     free(sx);
@@ -227,7 +227,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
                     r0 += mr;
                 }
             }
-            store_unit(tot, m, bias, n, u * UNIT, y, ldy, out_f32);
+            store_unit(tot, m, q.cols, bias, n, u * UNIT, y, ldy, out_f32);
         }
         free(tot);
     }
@@ -239,7 +239,7 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
 QGEMM_ENTRY_POINTS(upesi_qgemm, upesi_qgemm_f32)
 
 // The weight dequantised, transposed: wt [K, N] bf16 (ldw apart), each w = (e - shift) * scale' + min computed in
-// fp32 (one fused multiply-add) and rounded once to bf16. For a prefill's many rows a bf16 matmul over it beats
+// fp32 (one fused multiply-add; the columns' factors taken into scale' and min) and rounded once to bf16. For a prefill's many rows a bf16 matmul over it beats
 // expanding the codes again for every few rows.
 void upesi_qgemm_dequant(const int64_t *desc, int64_t n, uint16_t *wt, int64_t ldw, int threads) {
     qdesc q = read_desc(desc);
@@ -252,7 +252,7 @@ void upesi_qgemm_dequant(const int64_t *desc, int64_t n, uint16_t *wt, int64_t l
         for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
             __m512 sc[2], mn[2];
             expand(rec, q.kind, q.bkk, q.table, q.high, buf);
-            block_scales(&q, rec, sc, mn);
+            dequant_scales(&q, rec, u, sc, mn);
             for (int p = 0; p < 2; p++) {
                 int64_t c0 = u * UNIT + 16 * p, left = n - c0;
                 if (left <= 0)

@@ -87,8 +87,9 @@ static inline void prefetch_ahead(const uint8_t *rec, int64_t record) {
 // The descriptor's fields, read once per call.
 typedef struct {
     const uint8_t *data;
+    const float *cols;                                     // the columns' factors, or NULL
     __m512i table, high;
-    int kind, bkk, sf16, mf16, has_min;
+    int kind, bkk, sf16, mf16, has_min, exact;
     float shift;
     int64_t nb, record, code_bytes, ss, ms;
 } qdesc;
@@ -108,6 +109,8 @@ static inline qdesc read_desc(const int64_t *desc) {
     memcpy(&q.shift, &shift_bits, 4);
     q.nb = desc[D_NB];
     q.record = desc[D_RECORD];
+    q.cols = (const float *)desc[D_COLS];
+    q.exact = (int)desc[D_EXACT];
     q.code_bytes = (int64_t)2 * q.bkk * (q.kind == 4 || q.kind == 5 ? 16 : 32);
     q.ss = q.sf16 ? 2 : 4;
     q.ms = q.mf16 ? 2 : 4;
@@ -158,17 +161,19 @@ static inline __m512 bias16(const uint16_t *bias, int64_t c, __mmask16 msk) {
                 : _mm512_setzero_ps();
 }
 
-// tot [M, 32] fp32 (+ bias [N] bf16) -> y's columns c0 .. c0 + 32 (< n), bf16 rounded to nearest even, or fp32.
-static inline void store_unit(const float *tot, int64_t m, const uint16_t *bias, int64_t n, int64_t c0, void *y,
-                              int64_t ldy, int out_f32) {
+// tot [M, 32] fp32 (times the columns' factors cols [N'] when not NULL, + bias [N] bf16) -> y's columns c0 .. c0 +
+// 32 (< n), bf16 rounded to nearest even, or fp32.
+static inline void store_unit(const float *tot, int64_t m, const float *cols, const uint16_t *bias, int64_t n,
+                              int64_t c0, void *y, int64_t ldy, int out_f32) {
     for (int half = 0; half < 2; half++) {
         int64_t left = n - c0 - 16 * half;
         if (left <= 0)
             break;
         __mmask16 msk = lanes_below(left);
         __m512 bv = bias16(bias, c0 + 16 * half, msk);
-        for (int64_t r = 0; r < m; r++) {
-            __m512 v = _mm512_add_ps(_mm512_loadu_ps(tot + UNIT * r + 16 * half), bv);      // bias in fp32
+        __m512 cv = cols ? _mm512_loadu_ps(cols + c0 + 16 * half) : _mm512_set1_ps(1.0f);
+        for (int64_t r = 0; r < m; r++) {                  // factor and bias in fp32, one rounding
+            __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(tot + UNIT * r + 16 * half), cv, bv);
             if (out_f32)
                 _mm512_mask_storeu_ps((float *)y + r * ldy + c0 + 16 * half, msk, v);
             else
@@ -189,10 +194,21 @@ static inline __m512i dequant_pair(__m512i v, __m512 shift, __m512 sc, __m512 mn
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));   // w0 c, w1 c side by side
 }
 
-// The unit's codes -> pan [2][KK][32] bf16: panel p, pair kk holds (w[16p + l, 2kk], w[16p + l, 2kk + 1]) (the
-// panels of rows_gemm_bf16.c and rows_gemm_amx.c, which the wide kernels multiply).
+// A block's scales and mins with the columns' factors of unit u taken in (scale * f, min * f), for the
+// dequantising paths: w = (e - shift) * (scale f) + min f, rounded once.
+static inline void dequant_scales(const qdesc *q, const uint8_t *rec, int64_t u, __m512 *sc, __m512 *mn) {
+    block_scales(q, rec, sc, mn);
+    for (int p = 0; q->cols && p < 2; p++) {
+        __m512 f = _mm512_loadu_ps(q->cols + u * UNIT + 16 * p);
+        sc[p] = _mm512_mul_ps(sc[p], f);
+        mn[p] = _mm512_mul_ps(mn[p], f);
+    }
+}
+
+// Unit u's codes (rec: its first record) -> pan [2][KK][32] bf16: panel p, pair kk holds (w[16p + l, 2kk],
+// w[16p + l, 2kk + 1]) (the panels of rows_gemm_bf16.c and rows_gemm_amx.c, which the wide kernels multiply).
 // Kinds 5 and 4 are dequantised straight from their expanded chunks; the others through expand's buffer.
-static inline void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pan, int64_t kk_n) {
+static inline void dequant_unit(const qdesc *q, const uint8_t *rec, int64_t u, uint16_t *pan, int64_t kk_n) {
     const __m512 shift = _mm512_set1_ps(q->shift);
     static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -200,7 +216,7 @@ static inline void dequant_unit(const qdesc *q, const uint8_t *rec, uint16_t *pa
     __m512bh buf[32];
     for (int64_t b = 0; b < q->nb; b++, rec += q->record) {
         __m512 sc[2], mn[2];
-        block_scales(q, rec, sc, mn);
+        dequant_scales(q, rec, u, sc, mn);
         uint16_t *out = pan + b * q->bkk * 32;
         for (int c = 0; c < q->bkk / 2 && (q->kind == 5 || q->kind == 4); c++) {
             __m512bh w[4];                                 // pairs 2c, 2c + 1 of both panels

@@ -98,7 +98,8 @@ def _wide_fn() -> ctypes._CFuncPtr | None:
         return None
     fn.argtypes, fn.restype = GEMM_ARGS, None
     g = torch.Generator().manual_seed(0)
-    for kind, block, has_min in (("u4", 32, True), ("e2m1", 16, False), ("u6", 16, True), ("i8", 32, False)):
+    for kind, block, has_min in (("u4", 32, True), ("e2m1", 16, False), ("nvfp4", 16, False), ("u6", 16, True),
+                                 ("i8", 32, False)):
         w = QWeight(example(kind, 40, 96, block, g, has_min))
         x = torch.randn(21, 96, generator=g).bfloat16()
         want = x.float() @ dequantise_bf16(w).float()
@@ -189,7 +190,8 @@ def _agrees(fns: tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]) -> bool:
     """Whether the kernels `fns` (bf16 and fp32 output) agree with the reference on every path, with and without
     mins, a partial unit of columns, a partial group of rows, and give a row alone the bits it has among others."""
     g = torch.Generator().manual_seed(0)
-    for kind, block, has_min in (("u4", 32, True), ("e2m1", 16, False), ("u6", 16, True), ("i8", 32, False)):
+    for kind, block, has_min in (("u4", 32, True), ("e2m1", 16, False), ("nvfp4", 16, False), ("u6", 16, True),
+                                 ("i8", 32, False)):
         n, k, m = 40, 96, 21
         bq = example(kind, n, k, block, g, has_min)
         w = QWeight(bq)

@@ -5,7 +5,8 @@
 // two AMX B tiles as they lie (BKK rows, 128 bytes apart), and a block of x's features for 16 rows one A tile. Per
 // block and group of 16 rows, tdpbf16ps gives the block's sums for both panels, which are scaled into the rows'
 // fp32 totals as qgemm.c does (scale * (sum - shift * sx) + min * sx). The AVX-512 work per row is then a few
-// instructions per block instead of a dot product, so 32 rows cost little more than one.
+// instructions per block instead of a dot product. Weights whose every e * scale is a bf16 number (NVFP4 with its
+// fp8 scales) skip that per-block step: run_exact multiplies those products as bf16 weights over the whole of K.
 //
 // A row's result is the same whatever the other rows of the call are (rows past M in the last group are zeros of a
 // padded copy of x), so a verification row is computed exactly as a decode row; the sums are in another order than
@@ -14,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx.h"
+#include "amx_rows.h"
 #include "qgemm.h"
 
 // Asks the kernel for the AMX tile state (once per process). Returns 0 when AMX may be used.
@@ -164,7 +165,7 @@ static void run_small(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
                         }
                     }
             }
-            store_unit(tot, m, bias, n, u * UNIT, y, ldy, out_f32);
+            store_unit(tot, m, q.cols, bias, n, u * UNIT, y, ldy, out_f32);
         }
         _tile_release();
     }
@@ -237,7 +238,7 @@ static void run_pairs(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
                     scale_pair((const float (*)[16 * 16])acc, two, with_min, sc, mn, sx + b, q.nb, tot, r0, valid);
                 }
             }
-            store_unit(tot, m, bias, n, u * UNIT, y, ldy, out_f32);
+            store_unit(tot, m, q.cols, bias, n, u * UNIT, y, ldy, out_f32);
         }
         free(tot);
         _tile_release();
@@ -246,12 +247,113 @@ static void run_pairs(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
     free(pad);
 }
 
+// Weights whose every e * scale is a bf16 number (desc's exact: NVFP4's E2M1 values times fp8 block scales): each
+// block's expanded codes times its scales become the bf16 weights themselves, exactly, 32 features (two blocks of
+// 16 or one of 32) a step into one of two alternating buffers, and the tiles sum over the whole of K, up to 32 rows at a time (four
+// accumulator tiles); the columns' factors apply at the store. No block's sum is scaled on its own, so rows cost
+// the tile unit's steps, not a vector epilogue per block and row. A row's sums are the same tile steps whatever
+// the call's other rows, so every call on such a weight takes this path.
+#define EXACT_ROWS 32
+
+// Expanded pairs of one panel (lane c: features 2kk, 2kk + 1 of column c) times the column's scale, as bf16 pairs:
+// each product is exact, so its fp32 bits end in 16 zeros and the two halves join without rounding.
+static inline __m512i scaled_pairs(__m512i v, __m512 sc) {
+    const __m512i high_half = _mm512_set1_epi32((int32_t)0xFFFF0000);
+    __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), sc);
+    __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, high_half)), sc);
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(lo), 16), _mm512_castps_si512(hi),
+                                     high_half, 0xF8);                     // lo >> 16 | (hi & high_half)
+}
+
+// x's rows padded where a tile would read past them: to 16-row groups when M > 16, to whole steps of 32 features
+// when the blocks are odd (zeros). Returns the copy (calloc'd, the caller frees it) or NULL when x serves as is.
+static uint16_t *exact_rows(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, int64_t *ld) {
+    int64_t kp = (k + 31) / 32 * 32, mp = m > 16 ? (m + 15) / 16 * 16 : m;
+    if (kp == k && mp == m)
+        return NULL;
+    uint16_t *pad = calloc((size_t)(mp * kp), sizeof(uint16_t));
+    for (int64_t r = 0; r < m; r++)
+        memcpy(pad + r * kp, x + r * ldx, (size_t)k * sizeof(uint16_t));
+    *ld = kp;
+    return pad;
+}
+
+static void run_exact(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd, const uint16_t *bias, int64_t n,
+                      void *y, int64_t ldy, int threads, int out_f32) {
+    qdesc q = *qd;
+    int64_t units = (n + UNIT - 1) / UNIT, kk_n = q.nb * q.bkk, per_step = 16 / q.bkk;    // blocks a step
+    uint16_t *pad = exact_rows(x, m, ldx, 2 * kk_n, &ldx);
+    if (pad)
+        x = pad;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+    {
+        __m512i buf[2][2][16];                             // a step's weights [panel][16 pairs], alternating steps
+        float acc[4][16 * 16], tot[EXACT_ROWS * UNIT];
+        amx_rows_configure(m < 16 ? (int)m : 16);
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            for (int64_t r0 = 0; r0 < m; r0 += EXACT_ROWS) {
+                int rows = (int)(m - r0 < EXACT_ROWS ? m - r0 : EXACT_ROWS), two = rows > 16;
+                const uint16_t *x0 = x + r0 * ldx, *x1 = x0 + 16 * ldx;
+                const uint8_t *rec = q.data + u * q.nb * q.record;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t b = 0, s = 0; b < q.nb; b += per_step, s ^= 1) {
+                    for (int i = 0; i < per_step; i++, rec += q.record) {
+                        if (b + i == q.nb) {                       // an odd last block: zero weights beside it
+                            memset(buf[s][0] + 8, 0, sizeof(__m512i) * 8);
+                            memset(buf[s][1] + 8, 0, sizeof(__m512i) * 8);
+                            break;
+                        }
+                        __m512 sc[2], mn[2];
+                        prefetch_ahead(rec, q.record);
+                        block_scales(&q, rec, sc, mn);
+                        for (int c = 0; c < q.bkk / 2; c++) {
+                            __m512bh w[4];                         // pairs 2c, 2c + 1 of both panels
+                            chunk_pairs(rec, q.kind, c, q.table, q.high, w);
+                            for (int j = 0; j < 4; j++)
+                                buf[s][j % 2][q.bkk * i + 2 * c + j / 2] = scaled_pairs((__m512i)w[j], sc[j % 2]);
+                        }
+                    }
+                    _tile_loadd(6, buf[s][0], 64);
+                    _tile_loadd(7, buf[s][1], 64);
+                    _tile_loadd(4, x0 + 2 * q.bkk * b, ldx * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, x1 + 2 * q.bkk * b, ldx * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, acc[0], 64);
+                _tile_stored(1, acc[1], 64);
+                if (two) {
+                    _tile_stored(2, acc[2], 64);
+                    _tile_stored(3, acc[3], 64);
+                }
+                for (int r = 0; r < rows; r++)                     // acc [group][panel][16 rows][16] -> tot
+                    for (int p = 0; p < 2; p++)
+                        memcpy(tot + UNIT * r + 16 * p, acc[2 * (r / 16) + p] + 16 * (r % 16), 16 * sizeof(float));
+                store_unit(tot, rows, q.cols, bias, n, u * UNIT, (char *)y + r0 * ldy * (out_f32 ? 4 : 2), ldy,
+                           out_f32);
+            }
+        }
+        _tile_release();
+    }
+    free(pad);
+}
+
 // Blocks of 16 features (NVFP4's) at one or two rows go two to a step (17% faster at one row, Xeon-AMX); else in
 // pairs, which measured faster for blocks of 32 and for more rows.
 static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, const uint16_t *bias, int64_t n,
                 void *y, int64_t ldy, int threads, int out_f32) {
     qdesc q = read_desc(desc);
-    if (q.bkk == 8 && m <= 2)
+    if (q.exact)
+        run_exact(x, m, ldx, &q, bias, n, y, ldy, threads, out_f32);
+    else if (q.bkk == 8 && m <= 2)
         run_small(x, m, ldx, &q, bias, n, y, ldy, threads, out_f32);
     else
         run_pairs(x, m, ldx, &q, bias, n, y, ldy, threads, out_f32);

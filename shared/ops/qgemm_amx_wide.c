@@ -66,7 +66,7 @@ void upesi_qgemm_amx_wide(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, 
         for (int64_t g0 = u0; g0 < u1; g0 += group) {
             int gn = (int)(u1 - g0 < group ? u1 - g0 : group);
             for (int i = 0; i < gn; i++)
-                dequant_unit(&q, q.data + (g0 + i) * q.nb * q.record, pan + i * 64 * kk_n, kk_n);
+                dequant_unit(&q, q.data + (g0 + i) * q.nb * q.record, g0 + i, pan + i * 64 * kk_n, kk_n);
             rows_over_units(x, m, ldx, pan, gn, kk_n, bias, n, g0 * UNIT, y, ldy);
         }
         free(pan);

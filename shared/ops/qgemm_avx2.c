@@ -31,6 +31,7 @@
 
 typedef struct {
     const uint8_t *data;
+    const float *cols;  // the columns' factors, or NULL
     int kind, bkk, sf16, mf16, has_min;
     float corr;
     __m256 t0, t1;      // kind 4: the 16 table values as fp32
@@ -48,6 +49,7 @@ static qdesc read_desc(const int64_t *desc) {
     q.sf16 = (int)desc[D_SF16];
     q.mf16 = (int)desc[D_MF16];
     q.has_min = (int)desc[D_MIN];
+    q.cols = (const float *)desc[D_COLS];
     int32_t shift_bits = (int32_t)desc[D_SHIFT];
     float shift;
     memcpy(&shift, &shift_bits, 4);
@@ -437,7 +439,8 @@ void upesi_qgemm_avx2(const float *x, int64_t m, int64_t ldx, int64_t k, const i
             int64_t c0 = u * UNIT, cols = n - c0 < UNIT ? n - c0 : UNIT;
             for (int64_t r = 0; r < m; r++)
                 for (int64_t c = 0; c < cols; c++)
-                    y[r * ldy + c0 + c] = tot[UNIT * r + c] + (bias ? bias[c0 + c] : 0.0f);
+                    y[r * ldy + c0 + c] = tot[UNIT * r + c] * (q.cols ? q.cols[c0 + c] : 1.0f)
+                                          + (bias ? bias[c0 + c] : 0.0f);
         }
         free(buf);
         free(tot);
@@ -446,8 +449,8 @@ void upesi_qgemm_avx2(const float *x, int64_t m, int64_t ldx, int64_t k, const i
     free(xs);
 }
 
-// The weight dequantised: w [N, K] fp32 (ldw apart), each w = (e' - corr) * scale, then + min, rounded after each
-// step as shared.ops.qgemm_layout.unpack computes it (no fused multiply-add), so equal to it bit for bit. For a
+// The weight dequantised: w [N, K] fp32 (ldw apart), each w = (e' - corr) * scale, then + min, then times the
+// column's factor, rounded after each step as shared.ops.qgemm_layout.unpack computes it (no fused multiply-add), so equal to it bit for bit. For a
 // prefill's many rows a matmul over it beats expanding the codes again for every few rows.
 void upesi_qgemm_avx2_dequant(const int64_t *desc, int64_t n, float *w, int64_t ldw, int threads) {
     qdesc q = read_desc(desc);
@@ -479,6 +482,8 @@ void upesi_qgemm_avx2_dequant(const int64_t *desc, int64_t n, float *w, int64_t 
                             float v = (lanes[l] - q.corr) * sc[col];
                             if (q.has_min)
                                 v = v + mn[col];
+                            if (q.cols)
+                                v = v * q.cols[c];
                             w[c * ldw + b * bf + 2 * kk + l % 2] = v;
                         }
                     }

@@ -111,8 +111,9 @@ def _pack_affine_nibbles(codes: torch.Tensor, units: int, nb: int, bkk: int) -> 
 
 
 def unpack(data: torch.Tensor, n: int, k: int, kind: int, block: int, sf16: bool, mf16: bool, has_min: bool,
-           table: torch.Tensor, high: int, shift: float) -> torch.Tensor:
-    """[U, B, record] -> the dense [N, K] fp32 weight the kernel multiplies by."""
+           table: torch.Tensor, high: int, shift: float, col_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[U, B, record] (and the columns' factors [U * 32]) -> the dense [N, K] fp32 weight the kernel multiplies
+    by, rounded as BlockQuant.dequantise."""
     units, nb, _ = data.shape
     bkk = block // 2
     code_bytes = 2 * bkk * (16 if kind in (4, 5) else 32)
@@ -141,4 +142,6 @@ def unpack(data: torch.Tensor, n: int, k: int, kind: int, block: int, sf16: bool
     w = values.view(n, nb, block) * sides[0].unsqueeze(-1)
     if has_min:
         w = w + sides[1].unsqueeze(-1)
+    if col_scale is not None:
+        w = w * col_scale[:n].view(n, 1, 1)
     return w.view(n, k)

@@ -94,7 +94,7 @@ void upesi_qgemm_wide(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, cons
             for (int i = 0; i < 2 * gn; i++) {
                 int64_t u = 2 * g0 + i;
                 if (u < units) {
-                    dequant_unit(&q, q.data + u * q.nb * q.record, pan + i * 64 * kk_n, kk_n);
+                    dequant_unit(&q, q.data + u * q.nb * q.record, u, pan + i * 64 * kk_n, kk_n);
                     un++;
                 } else {
                     memset(pan + i * 64 * kk_n, 0, sizeof(uint16_t) * 64 * (size_t)kk_n);

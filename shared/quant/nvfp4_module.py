@@ -118,10 +118,12 @@ class NVFP4Linear(_PackedLinear):
         return self._packed
 
     def block_quant(self) -> BlockQuant:
-        """The weight as codes and per-block steps: value(code) * (scale / global_scale), the reference's
-        arithmetic (nvfp4.dequantise), so the kernel multiplies by exactly the dequantised weight."""
+        """The weight as codes, the fp8 block scales and 1 / global_scale per column: value(code) * scale is exact
+        in bf16, so the kernels may multiply it as bf16 weights, and the global factor applies to each column's sum
+        (the reference nvfp4.dequantise rounds value * (scale / global_scale); the two differ by fp32 rounding)."""
         bq, gs = self._fp8_blocks()
-        return BlockQuant(bq.codes, bq.scales / gs[:, None], None, BLOCK_SIZE, 4, bq.lut)          # [N, B] steps
+        bq.col_scale = 1.0 / gs
+        return bq
 
     def _fp8_blocks(self) -> tuple[BlockQuant, torch.Tensor]:
         """(the codes with the fp8 block scales as their steps, each row's global scale [N])."""

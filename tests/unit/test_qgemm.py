@@ -15,7 +15,7 @@ needs_bf16 = pytest.mark.skipif(qgemm._kernels() is None, reason="needs the AVX5
 
 # name -> (example kind, block, has mins, the kernel's expansion path)
 FORMATS = {"q4-affine": ("u4", 32, True, 5), "q4-affine-16": ("u4", 16, False, 5), "e2m1": ("e2m1", 16, False, 4),
-           "u6": ("u6", 16, True, 7), "u6-32": ("u6", 32, False, 7), "int8": ("i8", 32, False, 8),
+           "nvfp4": ("nvfp4", 16, False, 4), "u6": ("u6", 16, True, 7), "u6-32": ("u6", 32, False, 7), "int8": ("i8", 32, False, 8),
            "int8-16": ("i8", 16, True, 8)}
 
 
@@ -48,6 +48,7 @@ def test_kernels_equal_the_dequantised_weight(fmt: str, n: int, k: int) -> None:
     bq = qgemm.example(kind, n, k, block, g, has_min)
     w = QWeight(bq)
     assert w.kind == path
+    assert w.exact_bf16 == (fmt == "nvfp4")                        # fp8 scales: bf16 weights over the whole of K
     ref_w = bq.dequantise()
     assert torch.equal(w.dequantise(), ref_w)                       # the layout round-trips exactly
     for name, fns in kernels():
@@ -74,7 +75,7 @@ def test_a_row_is_computed_alike_whatever_rows_share_the_call(name: str, fns, k:
     """Every kernel path (AMX's takes blocks of 16 two to a step at 1-2 rows, many blocks a tile) against the same
     rows in a wider call; K = 1056 and 592 give several groups of blocks and odd block counts."""
     g = torch.Generator().manual_seed(7)
-    for fmt in ("q4-affine", "e2m1", "int8", "u6"):
+    for fmt in ("q4-affine", "e2m1", "nvfp4", "int8", "u6"):
         kind, block, has_min, _ = FORMATS[fmt]
         if k % block:
             continue
