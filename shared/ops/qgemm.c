@@ -239,8 +239,8 @@ static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, 
 QGEMM_ENTRY_POINTS(upesi_qgemm, upesi_qgemm_f32)
 
 // The weight dequantised, transposed: wt [K, N] bf16 (ldw apart), each w = (e - shift) * scale' + min computed in
-// fp32 (one fused multiply-add; the columns' factors taken into scale' and min) and rounded once to bf16. For a prefill's many rows a bf16 matmul over it beats
-// expanding the codes again for every few rows.
+// fp32 (one fused multiply-add; the columns' factors taken into scale' and min) and rounded once to bf16. For a
+// prefill's many rows a bf16 matmul over it beats expanding the codes again for every few rows.
 void upesi_qgemm_dequant(const int64_t *desc, int64_t n, uint16_t *wt, int64_t ldw, int threads) {
     qdesc q = read_desc(desc);
     int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;

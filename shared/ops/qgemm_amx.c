@@ -249,10 +249,10 @@ static void run_pairs(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
 
 // Weights whose every e * scale is a bf16 number (desc's exact: NVFP4's E2M1 values times fp8 block scales): each
 // block's expanded codes times its scales become the bf16 weights themselves, exactly, 32 features (two blocks of
-// 16 or one of 32) a step into one of two alternating buffers, and the tiles sum over the whole of K, up to 32 rows at a time (four
-// accumulator tiles); the columns' factors apply at the store. No block's sum is scaled on its own, so rows cost
-// the tile unit's steps, not a vector epilogue per block and row. A row's sums are the same tile steps whatever
-// the call's other rows, so every call on such a weight takes this path.
+// 16 or one of 32) a step into one of two alternating buffers, and the tiles sum over the whole of K, up to 32 rows
+// at a time (four accumulator tiles); the columns' factors apply at the store. No block's sum is scaled on its
+// own, so rows cost the tile unit's steps, not a vector epilogue per block and row. A row's sums are the same tile
+// steps whatever the call's other rows, so every call on such a weight takes this path.
 #define EXACT_ROWS 32
 
 // Expanded pairs of one panel (lane c: features 2kk, 2kk + 1 of column c) times the column's scale, as bf16 pairs:

@@ -450,8 +450,9 @@ void upesi_qgemm_avx2(const float *x, int64_t m, int64_t ldx, int64_t k, const i
 }
 
 // The weight dequantised: w [N, K] fp32 (ldw apart), each w = (e' - corr) * scale, then + min, then times the
-// column's factor, rounded after each step as shared.ops.qgemm_layout.unpack computes it (no fused multiply-add), so equal to it bit for bit. For a
-// prefill's many rows a matmul over it beats expanding the codes again for every few rows.
+// column's factor, rounded after each step as shared.ops.qgemm_layout.unpack computes it (no fused multiply-add),
+// so equal to it bit for bit. For a prefill's many rows a matmul over it beats expanding the codes again for every
+// few rows.
 void upesi_qgemm_avx2_dequant(const int64_t *desc, int64_t n, float *w, int64_t ldw, int threads) {
     qdesc q = read_desc(desc);
     int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;

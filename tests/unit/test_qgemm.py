@@ -15,8 +15,8 @@ needs_bf16 = pytest.mark.skipif(qgemm._kernels() is None, reason="needs the AVX5
 
 # name -> (example kind, block, has mins, the kernel's expansion path)
 FORMATS = {"q4-affine": ("u4", 32, True, 5), "q4-affine-16": ("u4", 16, False, 5), "e2m1": ("e2m1", 16, False, 4),
-           "nvfp4": ("nvfp4", 16, False, 4), "u6": ("u6", 16, True, 7), "u6-32": ("u6", 32, False, 7), "int8": ("i8", 32, False, 8),
-           "int8-16": ("i8", 16, True, 8)}
+           "nvfp4": ("nvfp4", 16, False, 4), "u6": ("u6", 16, True, 7), "u6-32": ("u6", 32, False, 7),
+           "int8": ("i8", 32, False, 8), "int8-16": ("i8", 16, True, 8)}
 
 
 def kernels() -> list[tuple[str, tuple | None]]:
