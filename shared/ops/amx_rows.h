@@ -23,18 +23,22 @@ static inline void amx_rows_configure(int rows) {
     _tile_loadconfig(&c);
 }
 
-// acc [rows, 16] fp32 (+ bias) -> y rows, columns < left, rounded to bf16 as vcvtneps2bf16 does.
-static inline void amx_rows_store(const float *acc, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy,
-                                  int64_t left) {
+// acc [rows, 16] fp32 (times the columns' factors cols [16] when not NULL, + bias) -> y rows, columns < left,
+// rounded to bf16 as vcvtneps2bf16 does.
+static inline void amx_rows_store(const float *acc, int rows, const float *cols, const uint16_t *bias, uint16_t *y,
+                                  int64_t ldy, int64_t left) {
     if (left <= 0)
         return;
     __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
     __m512 b = _mm512_setzero_ps();
     if (bias)
         b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias)), 16));
+    __m512 f = cols ? _mm512_maskz_loadu_ps(m, cols) : _mm512_set1_ps(1.0f);
     for (int r = 0; r < rows; r++) {
         __m512 a = _mm512_loadu_ps(acc + 16 * r);
-        if (bias)                                          // added in fp32, then rounded once
+        if (cols)                                          // factor and bias in fp32, then rounded once
+            a = _mm512_fmadd_ps(a, f, b);
+        else if (bias)
             a = _mm512_add_ps(a, b);
         _mm256_mask_storeu_epi16((void *)(y + r * ldy), m, (__m256i)_mm512_cvtneps_pbh(a));
     }

@@ -252,7 +252,7 @@ void upesi_qgemm_dequant(const int64_t *desc, int64_t n, uint16_t *wt, int64_t l
         for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
             __m512 sc[2], mn[2];
             expand(rec, q.kind, q.bkk, q.table, q.high, buf);
-            dequant_scales(&q, rec, u, sc, mn);
+            dequant_scales(&q, rec, u, 1, sc, mn);
             for (int p = 0; p < 2; p++) {
                 int64_t c0 = u * UNIT + 16 * p, left = n - c0;
                 if (left <= 0)

@@ -194,11 +194,11 @@ static inline __m512i dequant_pair(__m512i v, __m512 shift, __m512 sc, __m512 mn
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));   // w0 c, w1 c side by side
 }
 
-// A block's scales and mins with the columns' factors of unit u taken in (scale * f, min * f), for the
-// dequantising paths: w = (e - shift) * (scale f) + min f, rounded once.
-static inline void dequant_scales(const qdesc *q, const uint8_t *rec, int64_t u, __m512 *sc, __m512 *mn) {
+// A block's scales and mins, with the columns' factors of unit u taken in (scale * f, min * f) when `fold`, for
+// the dequantising paths: w = (e - shift) * (scale f) + min f, rounded once.
+static inline void dequant_scales(const qdesc *q, const uint8_t *rec, int64_t u, int fold, __m512 *sc, __m512 *mn) {
     block_scales(q, rec, sc, mn);
-    for (int p = 0; q->cols && p < 2; p++) {
+    for (int p = 0; fold && q->cols && p < 2; p++) {
         __m512 f = _mm512_loadu_ps(q->cols + u * UNIT + 16 * p);
         sc[p] = _mm512_mul_ps(sc[p], f);
         mn[p] = _mm512_mul_ps(mn[p], f);
@@ -208,6 +208,8 @@ static inline void dequant_scales(const qdesc *q, const uint8_t *rec, int64_t u,
 // Unit u's codes (rec: its first record) -> pan [2][KK][32] bf16: panel p, pair kk holds (w[16p + l, 2kk],
 // w[16p + l, 2kk + 1]) (the panels of rows_gemm_bf16.c and rows_gemm_amx.c, which the wide kernels multiply).
 // Kinds 5 and 4 are dequantised straight from their expanded chunks; the others through expand's buffer.
+// Exact weights (q->exact) give e * scale itself, not rounded: their columns' factors are left to the sums
+// (wide_cols).
 static inline void dequant_unit(const qdesc *q, const uint8_t *rec, int64_t u, uint16_t *pan, int64_t kk_n) {
     const __m512 shift = _mm512_set1_ps(q->shift);
     static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
@@ -216,7 +218,7 @@ static inline void dequant_unit(const qdesc *q, const uint8_t *rec, int64_t u, u
     __m512bh buf[32];
     for (int64_t b = 0; b < q->nb; b++, rec += q->record) {
         __m512 sc[2], mn[2];
-        dequant_scales(q, rec, u, sc, mn);
+        dequant_scales(q, rec, u, !q->exact, sc, mn);
         uint16_t *out = pan + b * q->bkk * 32;
         for (int c = 0; c < q->bkk / 2 && (q->kind == 5 || q->kind == 4); c++) {
             __m512bh w[4];                                 // pairs 2c, 2c + 1 of both panels
@@ -233,6 +235,12 @@ static inline void dequant_unit(const qdesc *q, const uint8_t *rec, int64_t u, u
                 _mm512_store_si512((void *)(out + (p * kk_n + kk) * 32),
                                    dequant_pair((__m512i)buf[2 * kk + p], shift, sc[p], mn[p], interleave));
     }
+}
+
+// The columns' factors a wide kernel applies to its sums: those of exact weights (dequant_unit leaves them out of
+// the panels), else none.
+static inline const float *wide_cols(const qdesc *q) {
+    return q->exact ? q->cols : NULL;
 }
 
 // A kernel file's two entry points around its static run(): bf16 output, with the call of rows_gemm_bf16.c so the

@@ -102,7 +102,8 @@ def _wide_fn() -> ctypes._CFuncPtr | None:
                                  ("i8", 32, False)):
         w = QWeight(example(kind, 40, 96, block, g, has_min))
         x = torch.randn(21, 96, generator=g).bfloat16()
-        want = x.float() @ dequantise_bf16(w).float()
+        weight = w.dequantise().t() if w.exact_bf16 else dequantise_bf16(w).float()   # exact ones stay unrounded
+        want = x.float() @ weight
         if not torch.allclose(_call(x, w, None, torch.bfloat16, (fn, fn)).float(), want, rtol=2e-2, atol=2e-2):
             log.warning("fused dequantise-GEMM disagrees with its reference here; prefills dequantise instead")
             return None
@@ -150,7 +151,9 @@ def run(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.
     """x [M, K] bf16 or fp32 on CPU -> x @ W^T (+ bias) [M, N] in x's dtype. bf16 calls of WIDE_ROWS rows or more
     (a prefill's chunk) multiply the weight dequantised to bf16: fused, unit by unit (qgemm_amx_wide.c on AMX up to
     FUSED_MAX_ROWS rows, qgemm_wide.c on AVX512-BF16), else dequantised for the call and multiplied with
-    torch's bf16 matmul; their results then round each weight to bf16 once, as a bf16 copy of the weight would.
+    torch's bf16 matmul; their results then round each weight to bf16 once, as a bf16 copy of the weight would
+    (the fused kernels keep exact weights, `QWeight.exact_bf16`, unrounded: on AMX those rows equal the narrow
+    kernel's bit for bit).
     Without the AVX512-BF16 kernels every call takes the AVX2 fp32 path."""
     if x.stride(-1) != 1:
         x = x.contiguous()

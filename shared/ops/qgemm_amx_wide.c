@@ -9,7 +9,9 @@
 // the group while those rows are cached. So a call reads the packed codes once and never writes a dequantised
 // weight to memory, against dequantising the whole weight and then a bf16 matmul reading it back.
 // The result is a bf16 copy of the weight's rows result up to the order of fp32 sums: every row the same tile
-// steps over K, whatever the other rows of the call are.
+// steps over K, whatever the other rows of the call are. Exact weights (NVFP4 with fp8 scales) are not rounded:
+// their panels hold e * scale and the columns' factors apply at the store, so each row equals the same row through
+// qgemm_amx.c's run_exact bit for bit.
 // It runs where qgemm_amx.c does, whose setup has asked for the process's AMX tile state.
 // Shapes: M = rows, K = in features (a multiple of 32), N = out features, KK = K / 2, BKK = pairs per block.
 #include <omp.h>
@@ -20,9 +22,11 @@
 #include "qgemm.h"
 
 // All rows over the panels of `units` consecutive units (pan: each unit's two panels, 64 KK bf16 apart): y [M, 32
-// columns a unit from c0] (columns < n). Each pair of 16-row blocks of x runs over every unit while it is cached.
+// columns a unit from c0] (columns < n), times the columns' factors cols [N'] when not NULL. Each pair of 16-row
+// blocks of x runs over every unit while it is cached.
 static void rows_over_units(const uint16_t *x, int64_t m, int64_t ldx, const uint16_t *pan, int units,
-                            int64_t kk_n, const uint16_t *bias, int64_t n, int64_t c0, uint16_t *y, int64_t ldy) {
+                            int64_t kk_n, const float *cols, const uint16_t *bias, int64_t n, int64_t c0, uint16_t *y,
+                            int64_t ldy) {
     float acc[4][16 * 16];
     int64_t blocks = (m + 15) / 16;
     for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
@@ -34,7 +38,8 @@ static void rows_over_units(const uint16_t *x, int64_t m, int64_t ldx, const uin
             for (int i = 0; i < 2 + 2 * two; i++) {
                 int64_t r0 = (b0 + i / 2) * 16, c = c0 + u * UNIT + (i % 2) * 16;
                 int valid = (int)(m - r0 < 16 ? m - r0 : 16);
-                amx_rows_store(acc[i], valid, bias ? bias + c : 0, y + r0 * ldy + c, ldy, n - c);
+                amx_rows_store(acc[i], valid, cols ? cols + c : NULL, bias ? bias + c : 0, y + r0 * ldy + c, ldy,
+                               n - c);
             }
         }
     }
@@ -67,7 +72,7 @@ void upesi_qgemm_amx_wide(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, 
             int gn = (int)(u1 - g0 < group ? u1 - g0 : group);
             for (int i = 0; i < gn; i++)
                 dequant_unit(&q, q.data + (g0 + i) * q.nb * q.record, g0 + i, pan + i * 64 * kk_n, kk_n);
-            rows_over_units(x, m, ldx, pan, gn, kk_n, bias, n, g0 * UNIT, y, ldy);
+            rows_over_units(x, m, ldx, pan, gn, kk_n, wide_cols(&q), bias, n, g0 * UNIT, y, ldy);
         }
         free(pan);
         _tile_release();

@@ -8,7 +8,8 @@
 // runs over prepacked panels. A call reads the packed codes once and writes no dequantised weight to memory,
 // against dequantising the whole weight and a bf16 matmul reading it back.
 // The result is a bf16 copy of the weight's rows result up to the order of fp32 sums: every row the same steps over
-// K, whatever the other rows of the call are.
+// K, whatever the other rows of the call are. Exact weights (NVFP4 with fp8 scales) are not rounded: their panels
+// hold e * scale and the columns' factors apply at the store.
 // Shapes: M = rows, K = in features (even), N = out features, KK = K / 2, BKK = pairs per block.
 #include <omp.h>
 #include <stdlib.h>
@@ -20,10 +21,12 @@
 #define WTP 4     // panels per tile (two units)
 
 // Rows x [mr, K] over 4 panels (pan: each panel KK pairs of 32 bf16, `stride` bf16 apart) -> y's 64 columns from
-// c0 (those below n), bf16, plus bias (added in fp32, then rounded once).
+// c0 (those below n), bf16: times the columns' factors cols [N'] when not NULL, plus bias (in fp32, then rounded
+// once).
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t ldx, int mr, int64_t kk_n,
-                                                       const uint16_t *pan, int64_t stride, const uint16_t *bias,
-                                                       int64_t n, int64_t c0, uint16_t *y, int64_t ldy) {
+                                                       const uint16_t *pan, int64_t stride, const float *cols,
+                                                       const uint16_t *bias, int64_t n, int64_t c0, uint16_t *y,
+                                                       int64_t ldy) {
     __m512 acc[WMR][WTP];
     for (int r = 0; r < WMR; r++)
         for (int p = 0; p < WTP; p++)
@@ -46,16 +49,18 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
             break;
         __mmask16 msk = lanes_below(left);
         __m512 bv = bias16(bias, c0 + 16 * p, msk);
+        __m512 f = cols ? _mm512_maskz_loadu_ps(msk, cols + c0 + 16 * p) : _mm512_set1_ps(1.0f);
         for (int r = 0; r < mr; r++)
             _mm256_mask_storeu_epi16(y + r * ldy + c0 + 16 * p, msk,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][p], bv)));
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][p], f, bv)));
     }
 }
 
 // Every row over the panels of `units` consecutive units (pan: each unit's two panels, 64 KK bf16 apart; an odd
 // last unit's pair completed by a zero unit) -> y's columns from c0.
 static void rows_over_units(const uint16_t *x, int64_t m, int64_t ldx, const uint16_t *pan, int units, int64_t kk_n,
-                            const uint16_t *bias, int64_t n, int64_t c0, uint16_t *y, int64_t ldy) {
+                            const float *cols, const uint16_t *bias, int64_t n, int64_t c0, uint16_t *y,
+                            int64_t ldy) {
     for (int64_t r0 = 0; r0 < m; r0 += WMR) {
         int mr = (int)(m - r0 < WMR ? m - r0 : WMR);
         const uint16_t *xr = x + r0 * ldx;
@@ -64,12 +69,12 @@ static void rows_over_units(const uint16_t *x, int64_t m, int64_t ldx, const uin
             const uint16_t *w = pan + u * 64 * kk_n;
             int64_t c = c0 + u * UNIT;
             switch (mr) {                                  // constant row counts: the accumulators stay in registers
-                case 1: tile(xr, ldx, 1, kk_n, w, 32 * kk_n, bias, n, c, yr, ldy); break;
-                case 2: tile(xr, ldx, 2, kk_n, w, 32 * kk_n, bias, n, c, yr, ldy); break;
-                case 3: tile(xr, ldx, 3, kk_n, w, 32 * kk_n, bias, n, c, yr, ldy); break;
-                case 4: tile(xr, ldx, 4, kk_n, w, 32 * kk_n, bias, n, c, yr, ldy); break;
-                case 5: tile(xr, ldx, 5, kk_n, w, 32 * kk_n, bias, n, c, yr, ldy); break;
-                default: tile(xr, ldx, WMR, kk_n, w, 32 * kk_n, bias, n, c, yr, ldy); break;
+                case 1: tile(xr, ldx, 1, kk_n, w, 32 * kk_n, cols, bias, n, c, yr, ldy); break;
+                case 2: tile(xr, ldx, 2, kk_n, w, 32 * kk_n, cols, bias, n, c, yr, ldy); break;
+                case 3: tile(xr, ldx, 3, kk_n, w, 32 * kk_n, cols, bias, n, c, yr, ldy); break;
+                case 4: tile(xr, ldx, 4, kk_n, w, 32 * kk_n, cols, bias, n, c, yr, ldy); break;
+                case 5: tile(xr, ldx, 5, kk_n, w, 32 * kk_n, cols, bias, n, c, yr, ldy); break;
+                default: tile(xr, ldx, WMR, kk_n, w, 32 * kk_n, cols, bias, n, c, yr, ldy); break;
             }
         }
     }
@@ -100,7 +105,8 @@ void upesi_qgemm_wide(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, cons
                     memset(pan + i * 64 * kk_n, 0, sizeof(uint16_t) * 64 * (size_t)kk_n);
                 }
             }
-            rows_over_units(x, m, ldx, pan, (un + 1) / 2 * 2, kk_n, bias, n, 2 * g0 * UNIT, y, ldy);
+            rows_over_units(x, m, ldx, pan, (un + 1) / 2 * 2, kk_n, wide_cols(&q), bias, n, 2 * g0 * UNIT, y,
+                            ldy);
         }
         free(pan);
     }

@@ -65,7 +65,7 @@ void upesi_rows_gemm_amx(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, c
                 for (int i = 0; i < 2 + 2 * two; i++) {
                     int64_t r0 = (b0 + i / 2) * 16, c0 = (2 * q + i % 2) * 16;
                     int valid = (int)(m - r0 < 16 ? m - r0 : 16);
-                    amx_rows_store(acc[i], valid, bias ? bias + c0 : 0, y + r0 * ldy + c0, ldy, n - c0);
+                    amx_rows_store(acc[i], valid, NULL, bias ? bias + c0 : 0, y + r0 * ldy + c0, ldy, n - c0);
                 }
             }
         }
