@@ -346,8 +346,9 @@ static void run_exact(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
     free(pad);
 }
 
-// Blocks of 16 features (NVFP4's) at one or two rows go two to a step (17% faster at one row, Xeon-AMX); else in
-// pairs, which measured faster for blocks of 32 and for more rows.
+// Exact weights (NVFP4 with fp8 scales) at any row count: run_exact. Other blocks of 16 features at one or two rows
+// go two to a step (17% faster at one row, Xeon-AMX); else in pairs, which measured faster for blocks of 32 and for
+// more rows.
 static void run(const uint16_t *x, int64_t m, int64_t ldx, const int64_t *desc, const uint16_t *bias, int64_t n,
                 void *y, int64_t ldy, int threads, int out_f32) {
     qdesc q = read_desc(desc);
