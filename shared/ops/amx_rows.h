@@ -44,6 +44,32 @@ static inline void amx_rows_store(const float *acc, int rows, const float *cols,
     }
 }
 
+// One step of 32 features: the two panels' B tiles (w0, w1: 16 pairs each, 64 bytes a pair) times those features of
+// one or two blocks of 16 rows of x (x0, and x1 when `two`), added to the accumulators (tmm0-1, and tmm2-3).
+static inline __attribute__((always_inline)) void amx_rows_step(const uint16_t *x0, const uint16_t *x1, int64_t ldx,
+                                                                int two, const void *w0, const void *w1) {
+    _tile_loadd(6, w0, 64);
+    _tile_loadd(7, w1, 64);
+    _tile_loadd(4, x0, ldx * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+        _tile_loadd(5, x1, ldx * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+// The accumulators -> acc [4][16 x 16] fp32 (C[block][panel]; the second block's only when `two`).
+static inline void amx_rows_save(int two, float (*acc)[16 * 16]) {
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    if (two) {
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+    }
+}
+
 // One or two blocks of 16 rows of x (x0, and x1 when `two`) over two panels (w0, w1) of KK pairs: acc [4][16 x 16]
 // fp32 = C[block][panel], each the same tile steps over K in 32 features. `prefetch`: ask for the next step's panel
 // lines while the tile unit works (panels that were just written, in cache; a constant at each call).
@@ -60,22 +86,8 @@ static inline __attribute__((always_inline)) void amx_rows_tiles(const uint16_t 
             _mm_prefetch((const char *)(w0 + (kb + 16) * 32 + 32 * l), _MM_HINT_T0);
             _mm_prefetch((const char *)(w1 + (kb + 16) * 32 + 32 * l), _MM_HINT_T0);
         }
-        _tile_loadd(6, w0 + kb * 32, 64);
-        _tile_loadd(7, w1 + kb * 32, 64);
-        _tile_loadd(4, x0 + 2 * kb, ldx * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-            _tile_loadd(5, x1 + 2 * kb, ldx * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        amx_rows_step(x0 + 2 * kb, x1 + 2 * kb, ldx, two, w0 + kb * 32, w1 + kb * 32);
     }
-    _tile_stored(0, acc[0], 64);
-    _tile_stored(1, acc[1], 64);
-    if (two) {
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
-    }
+    amx_rows_save(two, acc);
 }
 #endif

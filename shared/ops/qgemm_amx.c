@@ -317,23 +317,9 @@ static void run_exact(const uint16_t *x, int64_t m, int64_t ldx, const qdesc *qd
                                 buf[s][j % 2][q.bkk * i + 2 * c + j / 2] = scaled_pairs((__m512i)w[j], sc[j % 2]);
                         }
                     }
-                    _tile_loadd(6, buf[s][0], 64);
-                    _tile_loadd(7, buf[s][1], 64);
-                    _tile_loadd(4, x0 + 2 * q.bkk * b, ldx * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, x1 + 2 * q.bkk * b, ldx * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
+                    amx_rows_step(x0 + 2 * q.bkk * b, x1 + 2 * q.bkk * b, ldx, two, buf[s][0], buf[s][1]);
                 }
-                _tile_stored(0, acc[0], 64);
-                _tile_stored(1, acc[1], 64);
-                if (two) {
-                    _tile_stored(2, acc[2], 64);
-                    _tile_stored(3, acc[3], 64);
-                }
+                amx_rows_save(two, acc);
                 for (int r = 0; r < rows; r++)                     // acc [group][panel][16 rows][16] -> tot
                     for (int p = 0; p < 2; p++)
                         memcpy(tot + UNIT * r + 16 * p, acc[2 * (r / 16) + p] + 16 * (r % 16), 16 * sizeof(float));
