@@ -207,8 +207,8 @@ static inline void dequant_scales(const qdesc *q, const uint8_t *rec, int64_t u,
 
 // Unit u's codes (rec: its first record) -> pan [2][KK][32] bf16: panel p, pair kk holds (w[16p + l, 2kk],
 // w[16p + l, 2kk + 1]) (the panels of rows_gemm_bf16.c and rows_gemm_amx.c, which the wide kernels multiply).
-// Kinds 5 and 4 are dequantised straight from their expanded chunks; the others through expand's buffer.
-// Exact weights (q->exact) give e * scale itself, not rounded: their columns' factors are left to the sums
+// Kinds 5, 4 and 7 are dequantised straight from their expanded chunks (chunk_pairs), kind 8 through expand's
+// buffer. Exact weights (q->exact) give e * scale itself, not rounded: their columns' factors are left to the sums
 // (wide_cols).
 static inline void dequant_unit(const qdesc *q, const uint8_t *rec, int64_t u, uint16_t *pan, int64_t kk_n) {
     const __m512 shift = _mm512_set1_ps(q->shift);
@@ -220,15 +220,16 @@ static inline void dequant_unit(const qdesc *q, const uint8_t *rec, int64_t u, u
         __m512 sc[2], mn[2];
         dequant_scales(q, rec, u, !q->exact, sc, mn);
         uint16_t *out = pan + b * q->bkk * 32;
-        for (int c = 0; c < q->bkk / 2 && (q->kind == 5 || q->kind == 4); c++) {
-            __m512bh w[4];                                 // pairs 2c, 2c + 1 of both panels
-            chunk_pairs(rec, q->kind, c, q->table, q->high, w);
-            for (int j = 0; j < 4; j++)
-                _mm512_store_si512((void *)(out + ((j % 2) * kk_n + 2 * c + j / 2) * 32),
-                                   dequant_pair((__m512i)w[j], shift, sc[j % 2], mn[j % 2], interleave));
-        }
-        if (q->kind == 5 || q->kind == 4)
+        if (in_chunks(q->kind)) {
+            for (int c = 0; c < q->bkk / 2; c++) {
+                __m512bh w[4];                             // pairs 2c, 2c + 1 of both panels
+                chunk_pairs(rec, q->kind, c, q->table, q->high, w);
+                for (int j = 0; j < 4; j++)
+                    _mm512_store_si512((void *)(out + ((j % 2) * kk_n + 2 * c + j / 2) * 32),
+                                       dequant_pair((__m512i)w[j], shift, sc[j % 2], mn[j % 2], interleave));
+            }
             continue;
+        }
         expand(rec, q->kind, q->bkk, q->table, q->high, buf);
         for (int p = 0; p < 2; p++)
             for (int kk = 0; kk < q->bkk; kk++)
