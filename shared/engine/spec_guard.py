@@ -71,8 +71,8 @@ class SpecGuard:
         return self._prefer((seqs, LOOKUP), (seqs, BARE), self.lookup_steps, 1)   # switching costs nothing
 
     def _prefer(self, drafts: tuple[int, bool | str], none: tuple[int, bool | str], step: int, length: int) -> bool:
-        """Whether the step `step` of a choice drafts: the kind cheaper a token, the other every PROBE_EVERY steps
-        (RARE times less often where one is CLEAR_MARGIN cheaper); drafting until measured."""
+        """Whether the step `step` of a choice drafts: the kind cheaper a token, the other for `length` steps every
+        PROBE_EVERY (RARE times less often where one is CLEAR_MARGIN cheaper); drafting until measured."""
         spec, plain = self._cost(drafts), self._cost(none)
         probe = _probing(step, PROBE_EVERY, length)
         if spec is None:
