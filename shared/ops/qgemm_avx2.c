@@ -452,7 +452,7 @@ void upesi_qgemm_avx2(const float *x, int64_t m, int64_t ldx, int64_t k, const i
 // The weight dequantised: w [N, K] fp32 (ldw apart), each w = (e' - corr) * scale, then + min, then times the
 // column's factor, rounded after each step as shared.ops.qgemm_layout.unpack computes it (no fused multiply-add),
 // so equal to it bit for bit. For a prefill's many rows a matmul over it beats expanding the codes again for every
-// few rows.
+// few rows. Vectors in expand's pair form: lanes 2j, 2j + 1 are column 4g + j's two features, one 8-byte store.
 void upesi_qgemm_avx2_dequant(const int64_t *desc, int64_t n, float *w, int64_t ldw, int threads) {
     qdesc q = read_desc(desc);
     int64_t units = (n + UNIT - 1) / UNIT, bf = 2 * q.bkk;
@@ -460,33 +460,46 @@ void upesi_qgemm_avx2_dequant(const int64_t *desc, int64_t n, float *w, int64_t 
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; u++) {
         __m256 buf[128];
-        float lanes[8], sc[32], mn[32];
+        float cf[UNIT];
+        int64_t c0 = u * UNIT, cols = n - c0 < UNIT ? n - c0 : UNIT;
+        for (int c = 0; c < UNIT; c++)
+            cf[c] = q.cols && c < cols ? q.cols[c0 + c] : 1.0f;
+        const __m256i dup[2] = {_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)};
+        const __m256 corr = _mm256_set1_ps(q.corr);
         const uint8_t *rec = base + u * q.nb * q.record;
         for (int64_t b = 0; b < q.nb; b++, rec += q.record) {
-            __m256 s[2][2], m2[2][2];
+            __m256 s[2][2], m2[2][2], vs[2][4], vm[2][4], vc[2][4];
             expand(&q, rec, buf);
             block_scales(&q, rec, s, m2);
             for (int p = 0; p < 2; p++)
-                for (int h = 0; h < 2; h++) {
-                    _mm256_storeu_ps(sc + 16 * p + 8 * h, s[p][h]);
-                    _mm256_storeu_ps(mn + 16 * p + 8 * h, m2[p][h]);
+                for (int g = 0; g < 4; g++) {      // per lane: column 16 p + 4 g + lane / 2's factors
+                    vs[p][g] = _mm256_permutevar8x32_ps(s[p][g / 2], dup[g % 2]);
+                    vm[p][g] = _mm256_permutevar8x32_ps(m2[p][g / 2], dup[g % 2]);
+                    vc[p][g] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(cf + 16 * p + 8 * (g / 2)), dup[g % 2]);
                 }
+            float *wb = w + c0 * ldw + b * bf;
             for (int kk = 0; kk < q.bkk; kk++)
                 for (int p = 0; p < 2; p++)
                     for (int g = 0; g < 4; g++) {
-                        _mm256_storeu_ps(lanes, buf[AT(kk, p, g)]);
-                        for (int l = 0; l < 8; l++) {
-                            int col = 16 * p + 4 * g + l / 2;
-                            int64_t c = u * UNIT + col;
-                            if (c >= n)
-                                continue;
-                            float v = (lanes[l] - q.corr) * sc[col];
-                            if (q.has_min)
-                                v = v + mn[col];
-                            if (q.cols)
-                                v = v * q.cols[c];
-                            w[c * ldw + b * bf + 2 * kk + l % 2] = v;
+                        __m256 v = _mm256_mul_ps(_mm256_sub_ps(buf[AT(kk, p, g)], corr), vs[p][g]);
+                        if (q.has_min)
+                            v = _mm256_add_ps(v, vm[p][g]);
+                        if (q.cols)
+                            v = _mm256_mul_ps(v, vc[p][g]);
+                        int col = 16 * p + 4 * g;
+                        float *at = wb + col * ldw + 2 * kk;
+                        __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+                        if (col + 4 <= cols) {
+                            _mm_storel_pi((__m64 *)at, lo);
+                            _mm_storeh_pi((__m64 *)(at + ldw), lo);
+                            _mm_storel_pi((__m64 *)(at + 2 * ldw), hi);
+                            _mm_storeh_pi((__m64 *)(at + 3 * ldw), hi);
+                            continue;
                         }
+                        float lanes[8];
+                        _mm256_storeu_ps(lanes, v);
+                        for (int j = 0; j < 4 && col + j < cols; j++)
+                            memcpy(at + j * ldw, lanes + 2 * j, 2 * sizeof(float));
                     }
         }
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -55,9 +56,22 @@ def call(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch
     return y
 
 
-def dequantise_f32(w: QWeight) -> torch.Tensor:
-    """W [N, K] fp32 dequantised in C, bit for bit `w.dequantise()`."""
-    out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
+_scratch = threading.local()
+SCRATCH_MAX = 1 << 23     # floats (32 MiB) a thread keeps for dequantised weights; bigger ones (an LM head) are fresh
+
+
+def dequantise_f32(w: QWeight, reuse: bool = False) -> torch.Tensor:
+    """W [N, K] fp32 dequantised in C, bit for bit `w.dequantise()`. reuse: into this thread's scratch buffer (up to
+    SCRATCH_MAX floats), valid until its next such call (a prefill's linears one after another: no fresh pages for
+    every call)."""
+    size = w.out_features * w.in_features
+    if reuse and size <= SCRATCH_MAX:
+        buf = getattr(_scratch, "buf", None)
+        if buf is None or buf.numel() < size:
+            buf = _scratch.buf = torch.empty(size, dtype=torch.float32)
+        out = buf[:size].view(w.out_features, w.in_features)
+    else:
+        out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
     _lib().upesi_qgemm_avx2_dequant(w.desc.data_ptr(), w.out_features, out.data_ptr(), w.in_features,
                                     torch.get_num_threads())
     return out
@@ -72,7 +86,7 @@ def linear_f32(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     if x.numel() >= WIDE_ROWS_F32 * w.in_features:
-        return F.linear(x, dequantise_f32(w), bias)
+        return F.linear(x, dequantise_f32(w, reuse=True), bias)
     return call(x, w, bias)
 
 
