@@ -232,7 +232,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                      softcap or 0.0)
     for b, lo in long:
         n = meta.query_lens[b]
-        if b not in meta.tree_masks and not softcap and (not window or prefill_attention.supports(q, k_cache)):
+        if b not in meta.tree_masks and not softcap and (not window or prefill_attention.takes_window(q, k_cache)):
             out[lo:lo + n] = prefill_attention.attention(q[lo:lo + n], k_cache, v_cache, meta.block_tables[b],
                                                          meta.seq_lens_host[b], scale, window)
             continue

@@ -7,6 +7,8 @@ square of the length). Two paths, both exact against shared.ops.paged_attention.
 - bf16 caches on CPUs with AMX or AVX512-BF16: prefill_attention.c, flash-style (16 query rows of one head
   against blocks of 32 keys, the online softmax in fp32, blocks past a row's position or before its window never
   read), its products on AMX tiles where the CPU has them, else on AVX512-BF16 vectors.
+- fp32 caches on CPUs with AVX2 and FMA: prefill_attention_f32.c, the same flash-style blocking on fp32 vectors
+  (16 query rows of one head against blocks of 32 keys read in place from the cache).
 - otherwise torch's fused SDPA (its flash kernel on CPU): the chunk's own keys causally (is_causal, the key
   heads repeated for each query head), the keys cached before it without a mask (a group's query heads folded
   into rows), the two merged by their log-sum-exps. A mask would make SDPA score every pair and convert the mask
@@ -32,6 +34,8 @@ from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
+SOURCE_F32 = Path(__file__).with_name("prefill_attention_f32.c")
+F32_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGS = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, _I, ctypes.c_float, _I, ctypes.c_int]
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -64,6 +68,20 @@ def _vector_lib() -> ctypes.CDLL | None:
         return None
     lib = c_build.load_or_none(SOURCE, FLAGS, "UPESI_PREFILL_ATTENTION", "AVX512-BF16 prefill attention kernel")
     return None if lib is None else _bind(lib)
+
+
+@functools.cache
+def _f32_lib() -> ctypes.CDLL | None:
+    """The fp32 kernel where the CPU has AVX2 and FMA."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None
+    lib = c_build.load_or_none(SOURCE_F32, F32_FLAGS, "UPESI_PREFILL_ATTENTION", "fp32 prefill attention kernel")
+    if lib is None:
+        return None
+    lib.upesi_prefill_attention_f32.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float,
+                                                _I, ctypes.c_int]
+    lib.upesi_prefill_attention_f32.restype = ctypes.c_int
+    return lib
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -104,6 +122,19 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q.stride(1) == q.shape[-1] and available(q.shape[-1]))
 
 
+def supports_f32(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the fp32 kernel takes these rows: fp32 on CPU, heads contiguous, a head size a multiple of 4 up to
+    256, the kernel built here."""
+    return (q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu" and q.stride(2) == 1
+            and q.stride(1) == q.shape[-1] and q.shape[-1] % 4 == 0 and q.shape[-1] <= 256
+            and _f32_lib() is not None)
+
+
+def takes_window(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether attention() runs a sliding window for these rows on a kernel (else the caller takes the reference)."""
+    return supports(q, k_cache) or supports_f32(q, k_cache)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
     """q [n, H, Dh] (rotated; its n tokens are the last of the seq_len the cache holds) -> [n, H, Dh], each row
@@ -114,6 +145,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
         table = block_table if block_table.dtype == torch.int64 and block_table.is_contiguous() else \
             block_table.to(torch.int64).contiguous()
         rc = _lib().upesi_prefill_attention(
+            q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(), v_cache.data_ptr(),
+            table.data_ptr(), k_cache.shape[1], n, seq_len, h, k_cache.shape[2], dh, scale, window or 0,
+            torch.get_num_threads())
+        if rc == 0:
+            return out
+    elif supports_f32(q, k_cache):
+        n, h, dh = q.shape
+        out = torch.empty(n, h, dh, dtype=q.dtype)
+        table = block_table if block_table.dtype == torch.int64 and block_table.is_contiguous() else \
+            block_table.to(torch.int64).contiguous()
+        rc = _f32_lib().upesi_prefill_attention_f32(
             q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(), v_cache.data_ptr(),
             table.data_ptr(), k_cache.shape[1], n, seq_len, h, k_cache.shape[2], dh, scale, window or 0,
             torch.get_num_threads())

@@ -1,7 +1,7 @@
 """Long prefill chunks' attention (shared.ops.prefill_attention) against the torch reference: the kernel's builds
-that run here (AMX tiles, AVX512-BF16 vectors) and torch's SDPA split, on odd lengths, prefix-cache hits in the
-middle of a block, sliding windows, GQA ratios and head dims; and a step mixing decodes with a long chunk through
-shared.ops.cpu_attention."""
+that run here (AMX tiles, AVX512-BF16 vectors), the fp32 kernel (AVX2) and torch's SDPA split, on odd lengths,
+prefix-cache hits in the middle of a block, sliding windows, GQA ratios and head dims; and a step mixing decodes
+with a long chunk through shared.ops.cpu_attention."""
 from __future__ import annotations
 
 import pytest
@@ -79,6 +79,45 @@ def test_kernel_reads_strided_rows(kernel):
     q = qkv[:, :9 * 64].view(150, 9, 64)
     got = prefill_attention.attention(q, k, v, table, 200, 0.125)
     torch.testing.assert_close(got.float(), _reference(q, k, v, table, 200, 0.125), rtol=2e-2, atol=2e-2)
+
+
+@pytest.fixture
+def f32_kernel(monkeypatch):
+    """The fp32 kernel, with torch's SDPA made to fail so that a case cannot pass through it instead."""
+    if prefill_attention._f32_lib() is None:
+        pytest.skip("the fp32 kernel needs AVX2 and FMA")
+
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("torch's SDPA ran instead of the kernel")
+    monkeypatch.setattr(prefill_attention, "_sdpa", no_sdpa)
+
+
+@pytest.mark.parametrize("n,length,h,kvh,dh", CASES + [(30, 45, 4, 2, 36)])
+def test_f32_kernel_matches_reference(n, length, h, kvh, dh, f32_kernel):
+    k, v, table = _cache(length, kvh, dh, torch.float32)
+    q = torch.randn(n, h, dh, generator=torch.Generator().manual_seed(1))
+    got = prefill_attention.attention(q, k, v, table, length, dh ** -0.5)
+    want = _reference(q, k, v, table, length, dh ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,length,window", [(300, 1000, 100), (40, 77, 33), (64, 64, 1), (50, 500, 499),
+                                             (100, 9000, 4096)])
+def test_f32_kernel_sliding_window(n, length, window, f32_kernel):
+    k, v, table = _cache(length, 3, 64, torch.float32)
+    q = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(2))
+    got = prefill_attention.attention(q, k, v, table, length, 0.125, window)
+    torch.testing.assert_close(got, _reference(q, k, v, table, length, 0.125, window), rtol=1e-5, atol=1e-5)
+
+
+def test_f32_kernel_peaked_scores_and_strided_rows(f32_kernel):
+    """Scores far apart (columns' maxima grow block after block, most weights underflow), q a view of qkv rows."""
+    k, v, table = _cache(700, 3, 64, torch.float32, spread=8.0)
+    qkv = torch.randn(600, (9 + 6) * 64, generator=torch.Generator().manual_seed(3)) * 4
+    q = qkv[:, :9 * 64].view(600, 9, 64)
+    got = prefill_attention.attention(q, k, v, table, 700, 0.125)
+    torch.testing.assert_close(got, _reference(q, k, v, table, 700, 0.125), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
