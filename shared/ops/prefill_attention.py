@@ -2,13 +2,13 @@
 
 Decode and verification rows go through shared.ops.cpu_attention one row at a time; a prefill chunk of hundreds
 or thousands of rows is matrix work, and at long prompts it is most of a prefill's time (the scores grow with the
-square of the length). Two paths, both exact against shared.ops.paged_attention.paged_attention_ref:
+square of the length). Three paths, all exact against shared.ops.paged_attention.paged_attention_ref:
 
 - bf16 caches on CPUs with AMX or AVX512-BF16: prefill_attention.c, flash-style (16 query rows of one head
   against blocks of 32 keys, the online softmax in fp32, blocks past a row's position or before its window never
   read), its products on AMX tiles where the CPU has them, else on AVX512-BF16 vectors.
 - fp32 caches on CPUs with AVX2 and FMA: prefill_attention_f32.c, the same flash-style blocking on fp32 vectors
-  (16 query rows of one head against blocks of 32 keys read in place from the cache).
+  (24 query rows of one head against blocks of 32 keys read in place from the cache).
 - otherwise torch's fused SDPA (its flash kernel on CPU): the chunk's own keys causally (is_causal, the key
   heads repeated for each query head), the keys cached before it without a mask (a group's query heads folded
   into rows), the two merged by their log-sum-exps. A mask would make SDPA score every pair and convert the mask
