@@ -139,26 +139,16 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
               seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
     """q [n, H, Dh] (rotated; its n tokens are the last of the seq_len the cache holds) -> [n, H, Dh], each row
     attending causally (within `window` positions where given). block_table [MB] int64."""
-    if supports(q, k_cache):
+    fn = _lib().upesi_prefill_attention if supports(q, k_cache) else \
+        _f32_lib().upesi_prefill_attention_f32 if supports_f32(q, k_cache) else None
+    if fn is not None:
         n, h, dh = q.shape
         out = torch.empty(n, h, dh, dtype=q.dtype)
         table = block_table if block_table.dtype == torch.int64 and block_table.is_contiguous() else \
             block_table.to(torch.int64).contiguous()
-        rc = _lib().upesi_prefill_attention(
-            q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(), v_cache.data_ptr(),
-            table.data_ptr(), k_cache.shape[1], n, seq_len, h, k_cache.shape[2], dh, scale, window or 0,
-            torch.get_num_threads())
-        if rc == 0:
-            return out
-    elif supports_f32(q, k_cache):
-        n, h, dh = q.shape
-        out = torch.empty(n, h, dh, dtype=q.dtype)
-        table = block_table if block_table.dtype == torch.int64 and block_table.is_contiguous() else \
-            block_table.to(torch.int64).contiguous()
-        rc = _f32_lib().upesi_prefill_attention_f32(
-            q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(), v_cache.data_ptr(),
-            table.data_ptr(), k_cache.shape[1], n, seq_len, h, k_cache.shape[2], dh, scale, window or 0,
-            torch.get_num_threads())
+        rc = fn(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(), v_cache.data_ptr(),
+                table.data_ptr(), k_cache.shape[1], n, seq_len, h, k_cache.shape[2], dh, scale, window or 0,
+                torch.get_num_threads())
         if rc == 0:
             return out
     if window:
