@@ -163,18 +163,20 @@ TILED_WORK = 8192      # prefill kernel on AMX tiles (2 threads: 16 rows at 3,00
                        # 1.71 row by row)
 VECTOR_ROWS = 16       # the same on AVX512-BF16 vectors, from a whole tile of 16 query rows (16 rows at 1,000
                        # positions 0.19 ms a layer against 0.22; 8 rows at 2,000 0.35 against 0.27)
+                       # fp32 rows (prefill_attention_f32.c) as on tiles: 8 rows at 2,000 positions 0.36 ms a layer
+                       # against 0.53, 16 at 5,000 1.8 against 3.0
 ROW_BLOCK = 8          # a sequence's rows per work item (a 9-row verification: blocks of 5 and 4, both threads busy)
 
 
-def row_descriptors(meta: AttentionMetadata, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int], int,
-                                                                           int]:
+def row_descriptors(meta: AttentionMetadata, tiled: bool = False,
+                    fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int], int, int]:
     """Once per step (the layers share it): [R, 5] int64 (row, sequence, cached positions before its new tokens,
     index among them, tree bits) of the rows C computes, [NB, 2] (first row, rows) of their blocks (rows of one
     sequence), (sequence, first row) of the long chunks (`tiled`: prompt chunks from TILED_ROWS rows on too), the
     longest sequence among the C rows and the most rows of a block."""
     if meta.cpu_rows is None:
         desc, blocks, long, start, longest, widest = [], [], [], 0, 0, 1
-        to_tiles = tiled_chunks(meta) if tiled else set()
+        to_tiles = tiled_chunks(meta, fp32) if tiled else set()
         for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
             if n > MAX_ROWS or b in to_tiles:
                 long.append((b, start))
@@ -194,11 +196,12 @@ def row_descriptors(meta: AttentionMetadata, tiled: bool = False) -> tuple[torch
     return meta.cpu_rows
 
 
-def tiled_chunks(meta: AttentionMetadata) -> set[int]:
+def tiled_chunks(meta: AttentionMetadata, fp32: bool = False) -> set[int]:
     """Sequences of the step whose rows (a prompt chunk of at most MAX_ROWS rows, no tree) pay on the prefill
-    kernel rather than row by row (longer chunks always go there), where it runs for these heads."""
+    kernel rather than row by row (longer chunks always go there), where it runs for these heads (fp32: the fp32
+    kernel's rows)."""
     prompts = meta.prompt_chunks or []
-    least = TILED_ROWS if prefill_attention.on_tiles(64) else VECTOR_ROWS
+    least = TILED_ROWS if fp32 or prefill_attention.on_tiles(64) else VECTOR_ROWS
     return {b for b, (n, length, prompt) in enumerate(zip(meta.query_lens, meta.seq_lens_host, prompts))
             if prompt and least <= n <= MAX_ROWS and n * length >= TILED_WORK and b not in meta.tree_masks}
 
@@ -221,8 +224,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1 or q.stride(1) != dh:
         q = q.contiguous()
     out = torch.empty(t, h, dh, dtype=q.dtype)
-    tiled = not softcap and prefill_attention.supports(q, k_cache)
-    rows, blocks, long, longest, widest = row_descriptors(meta, tiled)
+    tiled = not softcap and (prefill_attention.supports(q, k_cache) or prefill_attention.supports_f32(q, k_cache))
+    rows, blocks, long, longest, widest = row_descriptors(meta, tiled, q.dtype == torch.float32)
     if len(rows):
         bt = meta.block_tables
         _lib().upesi_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), h * dh, k_cache.data_ptr(),

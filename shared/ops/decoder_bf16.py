@@ -149,13 +149,14 @@ class DecoderStack:
         self._layers = layers
         self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 17]
         self._run = _lib().upesi_decoder_bf16 if dtype == torch.bfloat16 else decoder_f32._lib().upesi_decoder_f32
-        # prompt chunks of bf16 rows go to the prefill kernel where it runs, as the module path sends them
-        self._chunks = dtype == torch.bfloat16 and prefill_attention.available(head_dim)
+        # prompt chunks go to the prefill kernel of their dtype where it runs, as the module path sends them
+        prefill = (_fn(prefill_attention.kernel(), "upesi_prefill_attention")
+                   if dtype == torch.bfloat16 and prefill_attention.available(head_dim)
+                   else prefill_attention.f32_kernel(head_dim) if dtype == torch.float32 else 0)
+        self._chunks = bool(prefill)
         self._fns = torch.tensor([_fn(rms_norm._lib(), "upesi_rms_norm"),
                                   _fn(cpu_attention._lib(), "upesi_rope_store"),
-                                  _fn(cpu_attention._lib(), "upesi_paged_attention"),
-                                  _fn(prefill_attention.kernel(), "upesi_prefill_attention") if self._chunks else 0],
-                                 dtype=torch.int64)
+                                  _fn(cpu_attention._lib(), "upesi_paged_attention"), prefill], dtype=torch.int64)
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's rows x [T, D] can go through C: the stack's dtype on CPU, at most MAX_ROWS rows,
@@ -168,7 +169,8 @@ class DecoderStack:
         the residual stream after the last layer [T, D] (before the final norm)."""
         x = x.contiguous()                           # updated in place: the caller's embeddings, a fresh tensor
         cos, sin = cos.contiguous(), sin.contiguous()
-        rows, blocks, long, longest, widest = cpu_attention.row_descriptors(meta, self._chunks)
+        rows, blocks, long, longest, widest = cpu_attention.row_descriptors(meta, self._chunks,
+                                                                            self.dtype == torch.float32)
         chunks = torch.tensor([(b, lo, meta.query_lens[b], meta.seq_lens_host[b]) for b, lo in long],
                               dtype=torch.int64).view(-1, 4)                 # [NC, 4]
         dims = torch.tensor([len(self._layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,

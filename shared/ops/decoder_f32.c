@@ -55,17 +55,16 @@ static void add_rows(float *x, const float *a, int64_t n) {
 }
 
 // x [T, D] fp32, in place: the residual stream after every layer (before the final norm). The arguments are
-// decoder_bf16.c's, with fp32 rows, cos, sin and caches; no chunk goes to the prefill kernel (a bf16 kernel).
+// decoder_bf16.c's, with fp32 rows, cos, sin and caches; chunks go to prefill_attention_f32.c (fns[F_PREFILL]).
 void upesi_decoder_f32(const int64_t *fns, const int64_t *dims, const int64_t *layers, float eps, float scale,
                        float *x, int64_t t, const float *cos, const float *sin, const int64_t *slots,
                        const int64_t *block_tables, int64_t mb, const int64_t *rows, const int64_t *blocks,
                        int64_t nblocks, int64_t max_len, int64_t max_rows, const int64_t *chunks,
                        int64_t nchunks) {
-    (void)chunks;
-    (void)nchunks;
     norm_fn norm = (norm_fn)fns[F_NORM];
     rope_fn rope = (rope_fn)fns[F_ROPE];
     attn_fn attn = (attn_fn)fns[F_ATTN];
+    prefill_f32_fn prefill = (prefill_f32_fn)fns[F_PREFILL];
     int64_t d = dims[D_HIDDEN], inter = dims[D_INTER];
     int h = (int)dims[D_HEADS], kvh = (int)dims[D_KV_HEADS], dh = (int)dims[D_HEAD_DIM], bs = (int)dims[D_BLOCK];
     int threads = (int)dims[D_THREADS], rot = (int)dims[D_ROTARY];
@@ -84,6 +83,11 @@ void upesi_decoder_f32(const int64_t *fns, const int64_t *dims, const int64_t *l
         rope(qkv, t, nqkv, h, kvh, dh, rot, cos, sin, (void *)w[K_CACHE], (void *)w[V_CACHE], slots, 0);
         attn(qkv, nqkv, o, nq, (const void *)w[K_CACHE], (const void *)w[V_CACHE], block_tables, mb, bs, rows,
              blocks, nblocks, h, kvh, dh, scale, 0, max_len, max_rows, w[WINDOW], 0.f);
+        for (int64_t c = 0; c < nchunks; c++) {      // its head size was checked before (it returns 0)
+            const int64_t *ch = chunks + 4 * c;
+            prefill(qkv + ch[1] * nqkv, nqkv, o + ch[1] * nq, nq, (const float *)w[K_CACHE], (const float *)w[V_CACHE],
+                    block_tables + ch[0] * mb, bs, ch[2], ch[3], h, kvh, dh, scale, w[WINDOW], threads);
+        }
         g_o(o, t, nq, nq, (const int64_t *)w[W_O], (const float *)w[B_O], d, a, d, threads);
         add_rows(x, a, t * d);
         norm(x, t, d, d, (const void *)w[W_NORM2], eps, nx, 0);

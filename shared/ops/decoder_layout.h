@@ -1,5 +1,6 @@
 // What decoder_bf16.c and decoder_f32.c read: the kernels they call through function pointers (rms_norm.c,
-// cpu_attention.c, prefill_attention.c; their GEMMs' types differ by dtype and stay in each file) and the layout
+// cpu_attention.c, prefill_attention.c or
+// prefill_attention_f32.c; their GEMMs' types differ by dtype and stay in each file) and the layout
 // of their int64 arrays (shared/ops/decoder_bf16.py's DecoderStack fills them).
 #ifndef UPESI_DECODER_LAYOUT_H
 #define UPESI_DECODER_LAYOUT_H
@@ -13,6 +14,8 @@ typedef void (*attn_fn)(const void *, int64_t, void *, int64_t, const void *, co
                         int64_t, float);
 typedef int (*prefill_fn)(const uint16_t *, int64_t, uint16_t *, int64_t, const uint16_t *, const uint16_t *,
                           const int64_t *, int64_t, int64_t, int64_t, int, int, int64_t, float, int64_t, int);
+typedef int (*prefill_f32_fn)(const float *, int64_t, float *, int64_t, const float *, const float *, const int64_t *,
+                              int64_t, int64_t, int64_t, int, int, int64_t, float, int64_t, int);
 
 // Per layer: the norms, the four linears' weights (bf16 panels, or a quantised weight's descriptor) and biases, the
 // caches, the sliding window (0: none) and each linear's GEMM.

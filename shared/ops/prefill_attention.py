@@ -8,7 +8,7 @@ square of the length). Three paths, all exact against shared.ops.paged_attention
   against blocks of 32 keys, the online softmax in fp32, blocks past a row's position or before its window never
   read), its products on AMX tiles where the CPU has them, else on AVX512-BF16 vectors.
 - fp32 caches on CPUs with AVX2 and FMA: prefill_attention_f32.c, the same flash-style blocking on fp32 vectors
-  (24 query rows of one head against blocks of 32 keys read in place from the cache).
+  (24 lanes of a key head's query heads and positions against blocks of 32 keys read in place from the cache).
 - otherwise torch's fused SDPA (its flash kernel on CPU): the chunk's own keys causally (is_causal, the key
   heads repeated for each query head), the keys cached before it without a mask (a group's query heads folded
   into rows), the two merged by their log-sum-exps. A mask would make SDPA score every pair and convert the mask
@@ -78,8 +78,7 @@ def _f32_lib() -> ctypes.CDLL | None:
     lib = c_build.load_or_none(SOURCE_F32, F32_FLAGS, "UPESI_PREFILL_ATTENTION", "fp32 prefill attention kernel")
     if lib is None:
         return None
-    lib.upesi_prefill_attention_f32.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float,
-                                                _I, ctypes.c_int]
+    lib.upesi_prefill_attention_f32.argtypes = _ARGS                  # the bf16 kernel's, with fp32 rows
     lib.upesi_prefill_attention_f32.restype = ctypes.c_int
     return lib
 
@@ -109,6 +108,13 @@ def available(head_dim: int) -> bool:
 def kernel() -> ctypes.CDLL | None:
     """The build attention() calls, for callers that reach upesi_prefill_attention from C (decoder_bf16.c)."""
     return _lib()
+
+
+def f32_kernel(head_dim: int) -> int:
+    """The address of upesi_prefill_attention_f32 for fp32 heads of this size, for C callers (decoder_f32.c), or 0
+    where it does not run here."""
+    lib = _f32_lib() if head_dim % 4 == 0 and head_dim <= 256 else None
+    return 0 if lib is None else ctypes.cast(lib.upesi_prefill_attention_f32, ctypes.c_void_p).value
 
 
 def on_tiles(head_dim: int) -> bool:

@@ -12,7 +12,7 @@ from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 from shared.ops import cpu_attention, decoder_bf16, decoder_f32, prefill_attention, qgemm
 from shared.ops.packed_linear import pack_linears
-from shared.ops.paged_attention import AttentionMetadata
+from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
 from shared.quant.quant_linear import QuantLinear
 from shared.tree import ancestor_mask, depths
 
@@ -205,6 +205,31 @@ def test_f32_stack_equals_modules_bit_for_bit(kind, bias, window, rotary, lens, 
     # and the module path is the model: the dequantised weights through torch's own ops agree to fp32 rounding
     with torch.inference_mode():
         ref = reference_f32(model, ids, pos, meta, caches(model, 1))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_f32
+@pytest.mark.skipif(not prefill_attention.f32_kernel(64), reason="needs the fp32 prefill attention kernel")
+@pytest.mark.parametrize("window", [None, 100])
+def test_f32_prompt_chunk_through_the_prefill_kernel_equals_modules_bit_for_bit(window, monkeypatch):
+    """fp32: decodes beside a 21-row prompt chunk resuming mid-block at position 479 (heads of 64, 3 query heads a
+    key head): C hands the chunk to
+    prefill_attention_f32.c, as the modules do (torch's SDPA made to fail), and matches the reference."""
+    monkeypatch.setattr(prefill_attention, "_sdpa", None)
+    model = tiny_model(window=window, head_dim=64, dtype=torch.float32, inter=192)
+    quantise(model, "u4", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    kv_stack, kv_mod, kv_ref = caches(model, 1), caches(model, 1), caches(model, 1)
+    (pos, meta), (_, meta_mod), (_, meta_ref) = (step([37, 5, 500], [1, 1, 21], {}, prompts=[False, False, True])
+                                                for _ in "abc")           # the reference takes decodes first
+    assert cpu_attention.tiled_chunks(meta, fp32=True) == {2}
+    ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = model(ids, pos, meta, kv_stack)
+        assert model._stack[1] is not None and model._stack[1].takes(model.embed_tokens(ids), meta)
+        want = module_path(model, ids, pos, meta_mod, kv_mod)
+        with mock.patch.object(cpu_attention, "paged_attention", paged_attention_ref):
+            ref = reference_f32(model, ids, pos, meta_ref, kv_ref)
+    assert torch.equal(got, want)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
