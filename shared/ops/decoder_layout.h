@@ -1,7 +1,6 @@
 // What decoder_bf16.c and decoder_f32.c read: the kernels they call through function pointers (rms_norm.c,
-// cpu_attention.c, prefill_attention.c or
-// prefill_attention_f32.c; their GEMMs' types differ by dtype and stay in each file) and the layout
-// of their int64 arrays (shared/ops/decoder_bf16.py's DecoderStack fills them).
+// cpu_attention.c, prefill_attention.c or prefill_attention_f32.c; their GEMMs' types differ by dtype and stay in
+// each file) and the layout of their int64 arrays (shared/ops/decoder_bf16.py's DecoderStack fills them).
 #ifndef UPESI_DECODER_LAYOUT_H
 #define UPESI_DECODER_LAYOUT_H
 #include <stdint.h>
