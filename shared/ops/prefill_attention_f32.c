@@ -19,7 +19,7 @@
 // keys read in place from their cache rows (a row: Dh contiguous floats). Blocks past a tile's last position or
 // before its first position's window are never read. out = (O^T / l)^T. Work items: the tiles, those with the
 // most keys first, shared by the threads as they come free. A short prompt chunk beside decodes (8 rows of 9 heads
-// in 3 groups: 3 tiles, all lanes used) costs a third of what 24-query tiles of one head would.
+// in 3 groups: 3 tiles, all lanes used) does a third of the work 24-query tiles of one head would.
 // Shapes: q, out [n, H, Dh] fp32 with rows ldq / ldo elements apart; caches [NB, BS, KVH, Dh]; table [MB] int64.
 // Dh must be a multiple of 4, at most 256.
 #include <immintrin.h>
