@@ -148,6 +148,7 @@ class DecoderStack:
                         + [_gemm(w, dtype) for w in linears])
         self._layers = layers
         self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 17]
+        self._wide = self._wide_ptrs(ptrs, layers)                               # [L, 17] or None
         self._run = _lib().upesi_decoder_bf16 if dtype == torch.bfloat16 else decoder_f32._lib().upesi_decoder_f32
         # prompt chunks go to the prefill kernel of their dtype where it runs, as the module path sends them
         prefill = (_fn(prefill_attention.kernel(), "upesi_prefill_attention")
@@ -156,13 +157,48 @@ class DecoderStack:
         self._chunks = bool(prefill)
         self._fns = torch.tensor([_fn(rms_norm._lib(), "upesi_rms_norm"),
                                   _fn(cpu_attention._lib(), "upesi_rope_store"),
-                                  _fn(cpu_attention._lib(), "upesi_paged_attention"), prefill], dtype=torch.int64)
+                                  _fn(cpu_attention._lib(), "upesi_paged_attention"), prefill,
+                                  _fn(rms_norm._lib(), "upesi_add_rms_norm")], dtype=torch.int64)
+
+    def _wide_ptrs(self, ptrs: list[list[int]], layers: list[LayerWeights]) -> torch.Tensor | None:
+        """The layer table for steps of qgemm.WIDE_ROWS rows or more (a prefill's chunk): each block-quantised
+        linear on the fused dequantise-GEMM, as qgemm.run multiplies such rows, bf16 panels on their own kernel.
+        None where one of them has no such call (fp32, int8 activations, K not a multiple of 32, no fused
+        kernel here): those steps take the module path."""
+        if self.dtype != torch.bfloat16:
+            return None
+        wide, out = None, []
+        for row, lw in zip(ptrs, layers):
+            linears = (lw.qkv, lw.o, lw.gate_up, lw.down)
+            if any(isinstance(w, QWeightI8) or (isinstance(w, QWeight) and w.in_features % 32) for w in linears):
+                return None
+            if wide is None and any(isinstance(w, QWeight) for w in linears):
+                wide = qgemm.wide_kernel_address()
+                if not wide:
+                    return None
+            out.append(row[:-4] + [wide if isinstance(w, QWeight) else row[-4 + i] for i, w in enumerate(linears)])
+        return torch.tensor(out, dtype=torch.int64)
+
+    def _table(self, t: int) -> torch.Tensor | None:
+        """The layer table for a step of t rows: the rows kernels' up to qgemm.WIDE_ROWS, the wide one's up to
+        qgemm.fused_max_rows() (and only with the prefill kernel for the long chunks), else None; fp32 stacks at most
+        max_rows()."""
+        if t <= max_rows() or (t < qgemm.WIDE_ROWS and self.dtype == torch.bfloat16):
+            return self._ptrs
+        return self._wide if self._chunks and t <= qgemm.fused_max_rows() else None
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step's rows x [T, D] can go through C: the stack's dtype on CPU, at most MAX_ROWS rows,
-        every sequence's new rows within the attention kernel's limit."""
-        return (x.dtype == self.dtype and 0 < x.shape[0] <= max_rows() and not torch.is_grad_enabled()
-                and meta.max_query_len <= cpu_attention.MAX_ROWS)
+        """Whether this step's rows x [T, D] can go through C: the stack's dtype on CPU, a layer table for T rows
+        (every linear's kernel as the module path calls it), every sequence's new rows within the row attention
+        kernel's limit or, a prefill's longer chunk, for the prefill kernel (no tree)."""
+        t = x.shape[0]
+        if x.dtype != self.dtype or t == 0 or torch.is_grad_enabled():
+            return False
+        if t <= max_rows() and meta.max_query_len <= cpu_attention.MAX_ROWS:
+            return True
+        return (self._chunks and self._table(t) is not None
+                and all(n <= cpu_attention.MAX_ROWS or b not in meta.tree_masks
+                        for b, n in enumerate(meta.query_lens)))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, D] (the embeddings), cos / sin [T, R] (R: the rotated dims of a head), all in the stack's dtype ->
@@ -176,7 +212,8 @@ class DecoderStack:
         dims = torch.tensor([len(self._layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
                              self.block_size, torch.get_num_threads(), cos.shape[-1]], dtype=torch.int64)
         bt = meta.block_tables
-        self._run(self._fns.data_ptr(), dims.data_ptr(), self._ptrs.data_ptr(), self.eps,
+        table = self._table(x.shape[0])
+        self._run(self._fns.data_ptr(), dims.data_ptr(), table.data_ptr(), self.eps,
                   self.scale, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
                   bt.data_ptr(), bt.shape[1], rows.data_ptr(), blocks.data_ptr(), len(blocks), longest, widest,
                   chunks.data_ptr(), len(chunks))

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 typedef void (*norm_fn)(const void *, int64_t, int64_t, int64_t, const void *, float, void *, int);
+typedef void (*add_norm_fn)(const void *, const void *, int64_t, int64_t, const void *, float, void *, void *, int);
 typedef void (*rope_fn)(void *, int64_t, int64_t, int, int, int, int, const void *, const void *, void *, void *,
                         const int64_t *, int);
 typedef void (*attn_fn)(const void *, int64_t, void *, int64_t, const void *, const void *, const int64_t *, int64_t,
@@ -20,6 +21,6 @@ typedef int (*prefill_f32_fn)(const float *, int64_t, float *, int64_t, const fl
 // caches, the sliding window (0: none) and each linear's GEMM.
 enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, WINDOW, G_QKV, G_O,
        G_GU, G_DOWN, PER_LAYER };
-enum { F_NORM, F_ROPE, F_ATTN, F_PREFILL };                       // fns (F_PREFILL: 0 where none runs)
+enum { F_NORM, F_ROPE, F_ATTN, F_PREFILL, F_ADD_NORM };           // fns (F_PREFILL: 0 where none runs)
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS, D_ROTARY };   // dims
 #endif

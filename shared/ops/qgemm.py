@@ -246,6 +246,13 @@ def kernel_name() -> str | None:
     return "avx2" if _avx2_ok() else None
 
 
+def wide_kernel_address() -> int:
+    """The address of the fused dequantise-GEMM that run() calls for a bf16 chunk of WIDE_ROWS rows or more, for C
+    callers (decoder_bf16.c); 0 where none runs here (those rows dequantise, then torch's matmul)."""
+    fn = _wide_fn() if _kernels() is not None else None
+    return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def kernel_address() -> int:
     """The address of this machine's bf16 quantised GEMM, for C callers (decoder_bf16.c); requires the AVX512-BF16
     kernels (decoder_bf16 runs only where they do)."""

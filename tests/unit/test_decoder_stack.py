@@ -13,6 +13,7 @@ from shared.model.llama import LlamaForCausalLM
 from shared.ops import cpu_attention, decoder_bf16, decoder_f32, prefill_attention, qgemm
 from shared.ops.packed_linear import pack_linears
 from shared.ops.paged_attention import AttentionMetadata, paged_attention_ref
+from shared.ops.qgemm_i8 import QWeightI8
 from shared.quant.quant_linear import QuantLinear
 from shared.tree import ancestor_mask, depths
 
@@ -45,14 +46,16 @@ def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None =
     return model
 
 
-def quantise(model: LlamaForCausalLM, kind: str, names: tuple[str, ...], seed: int = 4) -> None:
-    """The named linears of every layer replaced by block-quantised ones (shared.ops.qgemm) of random codes."""
+def quantise(model: LlamaForCausalLM, kind: str, names: tuple[str, ...], seed: int = 4, int8: bool = False) -> None:
+    """The named linears of every layer replaced by block-quantised ones (shared.ops.qgemm) of random codes
+    (int8: with int8 activations, shared.ops.qgemm_i8, where it runs)."""
     g = torch.Generator().manual_seed(seed)
     for layer in model.layers:
         for name in names:
             parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
             old = getattr(parent, name)
             q = QuantLinear(old.in_features, [old.out_features], bias=old.bias is not None)
+            q.int8_activations = int8
             q.load_segment(0, qgemm.example(kind, old.out_features, old.in_features, 32, g))
             q.bias = old.bias
             setattr(parent, name, q)
@@ -155,6 +158,61 @@ def test_stack_with_quantised_layers_equals_modules_bit_for_bit(kind):
 
 
 @needs_bf16
+@pytest.mark.skipif(not prefill_attention.available(64), reason="needs the prefill attention kernel")
+@pytest.mark.parametrize("kind", ["u4", "bf16"])
+@pytest.mark.parametrize("rows,window", [(150, None), (150, 100), (90, None)])
+def test_prefill_chunk_of_many_rows_equals_modules_bit_for_bit(kind, rows, window):
+    """A prompt chunk longer than the row kernels' limit (resuming mid-block at position 300, beside two decodes)
+    goes through C too: its attention on the prefill kernel, the block-quantised linears on the fused
+    dequantise-GEMM from qgemm.WIDE_ROWS rows on (as qgemm.run multiplies them), the same bits as the modules."""
+    model = tiny_model(window=window, head_dim=64, attention_bias=kind == "u4")
+    if kind == "u4":
+        if qgemm.wide_kernel_address() == 0:
+            pytest.skip("needs the fused dequantise-GEMM")
+        quantise(model, kind, ("qkv_proj", "o_proj", "gate_up_proj"))       # down_proj (K = 200) stays bf16
+    kv_stack, kv_mod = caches(model, 1), caches(model, 1)
+    lens, qlens = [37, 300 + rows, 5], [1, rows, 1]
+    (pos, meta), (_, meta_mod) = (step(lens, qlens, {}, prompts=[False, True, False]) for _ in "ab")
+    ids = torch.randint(0, 300, (len(pos),), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = model(ids, pos, meta, kv_stack)
+        stack = model._stack[1]
+        assert stack is not None and stack.takes(model.embed_tokens(ids), meta)
+        assert stack._table(rows + 2) is (stack._wide if rows + 2 >= qgemm.WIDE_ROWS else stack._ptrs)
+        want = module_path(model, ids, pos, meta_mod, kv_mod)
+    assert torch.equal(got, want)
+    for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@needs_bf16
+@pytest.mark.skipif(not prefill_attention.available(64), reason="needs the prefill attention kernel")
+def test_long_steps_take_the_modules_where_c_has_no_kernel_for_them():
+    """Past qgemm.fused_max_rows() rows, with int8 activations, or where a long chunk is a draft tree's, the
+    modules run the step."""
+    model = tiny_model(head_dim=64)
+    quantise(model, "u4", ("qkv_proj",))
+    kv = caches(model, 3)
+    pos, meta = step([40], [1], {})
+    with torch.inference_mode():
+        model(torch.tensor([7]), pos, meta, kv)
+        stack = model._stack[1]
+        x = torch.zeros(200, 96, dtype=torch.bfloat16)
+        _, long_meta = step([300], [200], {}, prompts=[True])
+        assert stack.takes(x, long_meta) == (qgemm.wide_kernel_address() != 0)
+        long_meta.tree_masks = {0: torch.ones(200, 200, dtype=torch.bool)}
+        assert not stack.takes(x, long_meta)
+        with mock.patch.object(qgemm, "fused_max_rows", lambda: 150):
+            assert stack._table(200) is None and stack._table(150) is stack._wide
+        model = tiny_model(head_dim=64)
+        quantise(model, "u4", ("o_proj",), int8=True)
+        if not isinstance(model.layers[0].self_attn.o_proj.packed, QWeightI8):
+            pytest.skip("needs the int8-activation kernel")
+        model(torch.tensor([7]), pos, meta, kv)
+        assert model._stack[1]._wide is None and not model._stack[1].takes(x, step([300], [200], {}, [True])[1])
+
+
+@needs_bf16
 def test_stack_is_rebuilt_when_a_layer_changes_and_skipped_for_long_steps():
     model = tiny_model()
     kv = caches(model, 3)
@@ -183,6 +241,18 @@ def test_silu_mul_matches_torch():
     assert (got != want).float().mean() < 0.01
     f32 = gu.float()
     assert torch.equal(decoder_bf16.silu_mul(f32), decoder_bf16.silu_mul_reference(f32))   # fp32: torch itself
+
+
+@needs_bf16
+def test_silu_mul_of_every_bf16_gate_matches_torch():
+    """The activation of each of the 65,536 bf16 gates (zeros, subnormals, huge values, infinities, NaNs) times
+    one: within one bf16 rounding of torch's, NaN where torch's is."""
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    got = decoder_bf16.silu_mul(torch.cat([gate, torch.ones(65536, dtype=torch.bfloat16)])[None])[0].float()
+    want = F.silu(gate).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got[~got.isnan()], want[~want.isnan()], rtol=2 ** -7, atol=1e-30)
+    assert (got != want)[~got.isnan()].float().mean() < 0.01
 
 
 @needs_f32
