@@ -16,6 +16,9 @@
 
 typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
                         uint16_t *, int64_t, int);
+// gemm_fn's call for a gate_up weight [2 I, K] whose output is silu(gate) * up [T, I] (I as n), and the silu table
+typedef void (*swiglu_fn)(const uint16_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *, int64_t,
+                          uint16_t *, int64_t, int, const uint16_t *);
 
 // round(silu(g)) for every bf16 gate g, by its bits: g / (1 + expf(-g)) in fp32 as torch computes it (its exp may
 // differ from glibc's in the last fp32 bit), rounded to bf16. A lookup gives a row its activations at a third of
@@ -28,6 +31,12 @@ static void fill_silu_table(void) {
         float g = bf16_to_f32((uint16_t)b);
         silu_table[b] = f32_to_bf16(g / (1.f + expf(-g)));
     }
+}
+
+// The table, filled at first use, for callers that apply it themselves (qgemm_amx_wide.c's fused gate_up GEMM).
+const uint16_t *upesi_silu_table(void) {
+    pthread_once(&silu_once, fill_silu_table);
+    return silu_table;
 }
 
 // gu [T, 2I] (gate, then up, rows ld apart) -> out [T, I]: round(round(silu(gate)) * up), as torch's
@@ -100,8 +109,14 @@ void upesi_decoder_bf16(const int64_t *fns, const int64_t *dims, const int64_t *
         }
         g_o(o, t, nq, nq, (const uint16_t *)w[W_O], (const uint16_t *)w[B_O], d, a, d, threads);
         add_norm(x, a, t, d, (const void *)w[W_NORM2], eps, x, nx, 1);
-        g_gu(nx, t, d, d, (const uint16_t *)w[W_GU], (const uint16_t *)w[B_GU], 2 * inter, gu, 2 * inter, threads);
-        upesi_silu_mul_bf16(gu, t, 2 * inter, inter, act, threads);
+        if (w[G_GU_ACT]) {
+            ((swiglu_fn)w[G_GU_ACT])(nx, t, d, d, (const uint16_t *)w[W_GU], (const uint16_t *)w[B_GU], inter, act,
+                                     inter, threads, upesi_silu_table());
+        } else {
+            g_gu(nx, t, d, d, (const uint16_t *)w[W_GU], (const uint16_t *)w[B_GU], 2 * inter, gu, 2 * inter,
+                 threads);
+            upesi_silu_mul_bf16(gu, t, 2 * inter, inter, act, threads);
+        }
         g_down(act, t, inter, inter, (const uint16_t *)w[W_DOWN], (const uint16_t *)w[B_DOWN], d, a, d, threads);
     }
     add_rows(x, a, t * d, threads);                  // the last layer's MLP output

@@ -145,10 +145,10 @@ class DecoderStack:
             p = [n1, _weight(lw_.qkv), bq, _weight(lw_.o), bo, n2, _weight(lw_.gate_up), bg, _weight(lw_.down), bd,
                  lw_.k_cache, lw_.v_cache]
             ptrs.append([0 if t is None else t.data_ptr() for t in p] + [lw_.window or 0]
-                        + [_gemm(w, dtype) for w in linears])
+                        + [_gemm(w, dtype) for w in linears] + [0])
         self._layers = layers
-        self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 17]
-        self._wide = self._wide_ptrs(ptrs, layers)                               # [L, 17] or None
+        self._ptrs = torch.tensor(ptrs, dtype=torch.int64)                      # [L, 18]
+        self._wide = self._wide_ptrs(ptrs, layers)                               # [L, 18] or None
         self._run = _lib().upesi_decoder_bf16 if dtype == torch.bfloat16 else decoder_f32._lib().upesi_decoder_f32
         # prompt chunks go to the prefill kernel of their dtype where it runs, as the module path sends them
         prefill = (_fn(prefill_attention.kernel(), "upesi_prefill_attention")
@@ -162,12 +162,13 @@ class DecoderStack:
 
     def _wide_ptrs(self, ptrs: list[list[int]], layers: list[LayerWeights]) -> torch.Tensor | None:
         """The layer table for steps of qgemm.WIDE_ROWS rows or more (a prefill's chunk): each block-quantised
-        linear on the fused dequantise-GEMM, as qgemm.run multiplies such rows, bf16 panels on their own kernel.
+        linear on the fused dequantise-GEMM, as qgemm.run multiplies such rows, bf16 panels on their own kernel;
+        a block-quantised gate_up (I a multiple of 32) on AMX's GEMM that writes SwiGLU's activation itself.
         None where one of them has no such call (fp32, int8 activations, K not a multiple of 32, no fused
         kernel here): those steps take the module path."""
         if self.dtype != torch.bfloat16:
             return None
-        wide, out = None, []
+        wide, out, swiglu = None, [], qgemm.wide_swiglu_address()
         for row, lw in zip(ptrs, layers):
             linears = (lw.qkv, lw.o, lw.gate_up, lw.down)
             if any(isinstance(w, QWeightI8) or (isinstance(w, QWeight) and w.in_features % 32) for w in linears):
@@ -176,7 +177,9 @@ class DecoderStack:
                 wide = qgemm.wide_kernel_address()
                 if not wide:
                     return None
-            out.append(row[:-4] + [wide if isinstance(w, QWeight) else row[-4 + i] for i, w in enumerate(linears)])
+            gemms = [wide if isinstance(w, QWeight) else row[-5 + i] for i, w in enumerate(linears)]
+            act = swiglu if isinstance(lw.gate_up, QWeight) and lw.gate_up.out_features % 64 == 0 else 0
+            out.append(row[:-5] + gemms + [act])
         return torch.tensor(out, dtype=torch.int64)
 
     def _table(self, t: int) -> torch.Tensor | None:

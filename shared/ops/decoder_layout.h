@@ -18,9 +18,10 @@ typedef int (*prefill_f32_fn)(const float *, int64_t, float *, int64_t, const fl
                               int64_t, int64_t, int64_t, int, int, int64_t, float, int64_t, int);
 
 // Per layer: the norms, the four linears' weights (bf16 panels, or a quantised weight's descriptor) and biases, the
-// caches, the sliding window (0: none) and each linear's GEMM.
+// caches, the sliding window (0: none), each linear's GEMM and, where one runs (else 0), a gate_up GEMM that writes
+// SwiGLU's activation itself (swiglu_fn).
 enum { W_NORM1, W_QKV, B_QKV, W_O, B_O, W_NORM2, W_GU, B_GU, W_DOWN, B_DOWN, K_CACHE, V_CACHE, WINDOW, G_QKV, G_O,
-       G_GU, G_DOWN, PER_LAYER };
+       G_GU, G_DOWN, G_GU_ACT, PER_LAYER };
 enum { F_NORM, F_ROPE, F_ATTN, F_PREFILL, F_ADD_NORM };           // fns (F_PREFILL: 0 where none runs)
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_THREADS, D_ROTARY };   // dims
 #endif

@@ -36,7 +36,8 @@ from shared.ops.rows_gemm_bf16 import AMX_FLAGS, FLAGS, GEMM_ARGS
 
 log = logging.getLogger(__name__)
 WIDE_ROWS = 128           # bf16 calls of this many rows or more: dequantise for the call, then a bf16 matmul
-FUSED_MAX_ROWS = 1536     # on AMX up to this many fused (1.2-1.7x at 256-1024 rows, even at 2048); AVX512-BF16's
+FUSED_MAX_ROWS = 2048     # on AMX up to this many fused (1.2-1.7x at 256-1024 rows; a 2,000-row chunk 1.09x with the
+                          # C decoder and SwiGLU fused into gate_up, even alone); AVX512-BF16's
                           # fused kernel at any count (1.33x at 128 rows, 1.08x at 512, 1.05-1.1x at 2048)
 
 __all__ = ["BlockQuant", "QuantFormatError", "QWeight", "available", "example", "kernel_address", "linear", "run",
@@ -251,6 +252,15 @@ def wide_kernel_address() -> int:
     callers (decoder_bf16.c); 0 where none runs here (those rows dequantise, then torch's matmul)."""
     fn = _wide_fn() if _kernels() is not None else None
     return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def wide_swiglu_address() -> int:
+    """The address of qgemm_amx_wide.c's gate_up GEMM that writes SwiGLU's activation itself (the wide GEMM and
+    then decoder_bf16's silu_mul, bit for bit), for decoder_bf16.c; 0 where the wide GEMM is not AMX's."""
+    if kernel_name() != "amx" or not wide_kernel_address():
+        return 0
+    lib = c_build.load_or_none(WIDE_SOURCE, AMX_FLAGS, "UPESI_QGEMM", "AMX fused dequantise-GEMM")
+    return 0 if lib is None else ctypes.cast(lib.upesi_qgemm_amx_wide_swiglu, ctypes.c_void_p).value
 
 
 def kernel_address() -> int:

@@ -46,7 +46,8 @@ def tiny_model(attention_bias: bool = False, seed: int = 0, window: int | None =
     return model
 
 
-def quantise(model: LlamaForCausalLM, kind: str, names: tuple[str, ...], seed: int = 4, int8: bool = False) -> None:
+def quantise(model: LlamaForCausalLM, kind: str, names: tuple[str, ...], seed: int = 4, int8: bool = False,
+             block: int = 32) -> None:
     """The named linears of every layer replaced by block-quantised ones (shared.ops.qgemm) of random codes
     (int8: with int8 activations, shared.ops.qgemm_i8, where it runs)."""
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +57,7 @@ def quantise(model: LlamaForCausalLM, kind: str, names: tuple[str, ...], seed: i
             old = getattr(parent, name)
             q = QuantLinear(old.in_features, [old.out_features], bias=old.bias is not None)
             q.int8_activations = int8
-            q.load_segment(0, qgemm.example(kind, old.out_features, old.in_features, 32, g))
+            q.load_segment(0, qgemm.example(kind, old.out_features, old.in_features, block, g))
             q.bias = old.bias
             setattr(parent, name, q)
 
@@ -159,17 +160,19 @@ def test_stack_with_quantised_layers_equals_modules_bit_for_bit(kind):
 
 @needs_bf16
 @pytest.mark.skipif(not prefill_attention.available(64), reason="needs the prefill attention kernel")
-@pytest.mark.parametrize("kind", ["u4", "bf16"])
+@pytest.mark.parametrize("kind,inter", [("u4", 200), ("u4", 256), ("nvfp4", 256), ("bf16", 200)])
 @pytest.mark.parametrize("rows,window", [(150, None), (150, 100), (90, None)])
-def test_prefill_chunk_of_many_rows_equals_modules_bit_for_bit(kind, rows, window):
+def test_prefill_chunk_of_many_rows_equals_modules_bit_for_bit(kind, inter, rows, window):
     """A prompt chunk longer than the row kernels' limit (resuming mid-block at position 300, beside two decodes)
     goes through C too: its attention on the prefill kernel, the block-quantised linears on the fused
-    dequantise-GEMM from qgemm.WIDE_ROWS rows on (as qgemm.run multiplies them), the same bits as the modules."""
-    model = tiny_model(window=window, head_dim=64, attention_bias=kind == "u4")
-    if kind == "u4":
+    dequantise-GEMM from qgemm.WIDE_ROWS rows on (as qgemm.run multiplies them; on AMX a gate_up of I = 256 writes
+    SwiGLU's activation itself), the same bits as the modules."""
+    model = tiny_model(window=window, head_dim=64, attention_bias=kind == "u4", inter=inter)
+    if kind != "bf16":
         if qgemm.wide_kernel_address() == 0:
             pytest.skip("needs the fused dequantise-GEMM")
-        quantise(model, kind, ("qkv_proj", "o_proj", "gate_up_proj"))       # down_proj (K = 200) stays bf16
+        names = ("qkv_proj", "o_proj", "gate_up_proj") + (("down_proj",) if inter % 32 == 0 else ())
+        quantise(model, kind, names, block=16 if kind == "nvfp4" else 32)
     kv_stack, kv_mod = caches(model, 1), caches(model, 1)
     lens, qlens = [37, 300 + rows, 5], [1, rows, 1]
     (pos, meta), (_, meta_mod) = (step(lens, qlens, {}, prompts=[False, True, False]) for _ in "ab")
@@ -179,6 +182,8 @@ def test_prefill_chunk_of_many_rows_equals_modules_bit_for_bit(kind, rows, windo
         stack = model._stack[1]
         assert stack is not None and stack.takes(model.embed_tokens(ids), meta)
         assert stack._table(rows + 2) is (stack._wide if rows + 2 >= qgemm.WIDE_ROWS else stack._ptrs)
+        fused = kind != "bf16" and inter % 32 == 0 and qgemm.wide_swiglu_address() != 0
+        assert bool(stack._table(150)[:, -1].all()) == fused
         want = module_path(model, ids, pos, meta_mod, kv_mod)
     assert torch.equal(got, want)
     for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
