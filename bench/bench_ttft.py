@@ -10,13 +10,17 @@ With `--mixed N` a second figure: N streams decode (the chat prompts, greedy, EO
 longest length arrives; their inter-token gaps while it prefills against before it (p50 / p99 over every stream),
 and its time to first token against the same prompt length alone. Only the stack is measured this way.
 
+With `--rounds R` the stack and vLLM take turns R times (each round restarts both): the table shows each side's
+best over every round, and a line the Upesi / vLLM ratio of each round, whose two sides ran minutes apart rather
+than a whole run apart (this host's speed drifts by the hour).
+
 Beside the seconds: prefill tokens/s, and the arithmetic a prompt costs (every linear layer but the LM head, plus
 causal attention's scores and weighted sums) as a fraction of this machine's measured matmul peak in that dtype
 (the best of a few torch matmuls of the model's shapes, 2,048 rows, every core).
 
     .venv/bin/python bench/bench_ttft.py [--lengths 512 2000 6000] [--reps 3]
         [--vllm-python ~/.cache/upesi-vllm-peer/venv/bin/python --vllm-model ~/.cache/upesi-vllm-peer/smollm2-hf]
-        [--mixed 8]
+        [--mixed 8] [--rounds 3]
 
 Prints a table and one JSON line. Figures, not assertions: the machine is shared and noisy.
 """
@@ -65,8 +69,9 @@ def matmul_peak(dtype: str, threads: int) -> float:
     return best
 
 
-def measure_stack(a: argparse.Namespace, rng: random.Random) -> tuple[dict[str, float], dict[str, float] | None]:
-    """{length: seconds} of prompts alone; with a.mixed, the mixed-load figures too."""
+def measure_stack(a: argparse.Namespace, rng: random.Random,
+                  with_mixed: bool = True) -> tuple[dict[str, float], dict[str, float] | None]:
+    """{length: seconds} of prompts alone; with a.mixed (and with_mixed), the mixed-load figures too."""
     stack = ServeStack(shlex.split(a.serve_args) if a.serve_args is not None else make_run_args())
     url = f"http://127.0.0.1:{stack.http_port}/v1/completions"
 
@@ -82,7 +87,7 @@ def measure_stack(a: argparse.Namespace, rng: random.Random) -> tuple[dict[str, 
     try:
         ask(64), ask(2048)                                           # warm-up: first calls of each path
         alone = {str(n): min(ask(n) for _ in range(a.reps)) for n in a.lengths}
-        return alone, (measure_mixed(stack, ask, max(a.lengths), a.mixed) if a.mixed else None)
+        return alone, (measure_mixed(stack, ask, max(a.lengths), a.mixed) if a.mixed and with_mixed else None)
     finally:
         stack.close()
 
@@ -154,6 +159,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of a vLLM CPU install (measures vLLM beside)")
     ap.add_argument("--vllm-model", default=None, help="Hugging Face folder of the default model, for vLLM")
     ap.add_argument("--mixed", type=int, default=0, help="streams decoding when the longest prompt arrives (0: none)")
+    ap.add_argument("--rounds", type=int, default=1, help="turns of the stack and vLLM, one after the other")
     a = ap.parse_args()
     if a.serve_args is None and a.dtype != "auto":
         a.serve_args = shlex.join([*make_run_args(), "--dtype", a.dtype])
@@ -163,10 +169,16 @@ def main() -> None:
     cfg = load_config(default_model_path())
     dtype = served_dtype(a.dtype)
     rng = random.Random(0)
-    upesi, mixed = measure_stack(a, rng)
-    results = {"upesi": upesi}
-    if a.vllm_python:
-        results["vllm"] = measure_vllm(a, dtype)
+    rounds: list[dict[str, dict[str, float]]] = []
+    mixed = None
+    for r in range(max(1, a.rounds)):
+        upesi, got = measure_stack(a, rng, with_mixed=r == 0)
+        mixed = got if r == 0 else mixed
+        rounds.append({"upesi": upesi})
+        if a.vllm_python:
+            rounds[-1]["vllm"] = measure_vllm(a, dtype)
+    results = {side: {n: min(one[side][n] for one in rounds) for n in rounds[0][side]} for side in rounds[0]}
+    upesi = results["upesi"]
     peak = matmul_peak(dtype, a.threads)
     print(f"{cpu_name()}, {a.threads} threads, {dtype}; matmul peak {peak / 1e9:.0f} GFLOP/s")
     print(f"{'prompt tokens':>14} " + "".join(f"{name + ' s':>12}{'tok/s':>9}{'of peak':>9}" for name in results)
@@ -179,6 +191,10 @@ def main() -> None:
         if "vllm" in results:
             row += f"  {results['upesi'][str(n)] / results['vllm'][str(n)]:>10.2f}x"
         print(row)
+    if "vllm" in results and len(rounds) > 1:
+        print("Upesi / vLLM by round: " + "; ".join(
+            f"{n}: " + " ".join(f"{one['upesi'][str(n)] / one['vllm'][str(n)]:.2f}x" for one in rounds)
+            for n in a.lengths))
     if mixed:
         n = str(mixed["length"])
         print(f"{mixed['streams']} streams decoding, a {n}-token prompt arrives: their gaps between tokens p50 / p99 "
@@ -186,7 +202,7 @@ def main() -> None:
               f"{mixed['itl_p50_during_s'] * 1e3:.1f} / {mixed['itl_p99_during_s'] * 1e3:.1f} ms while it prefills; "
               f"its first token after {mixed['ttft_s']:.3f} s ({mixed['ttft_s'] / upesi[n]:.2f}x alone)")
     print(json.dumps({"cpu": cpu_name(), "dtype": dtype, "matmul_peak_flops": peak, "results": results,
-                      "mixed": mixed}))
+                      "rounds": rounds, "mixed": mixed}))
 
 
 if __name__ == "__main__":
