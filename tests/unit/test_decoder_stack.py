@@ -101,6 +101,14 @@ def module_path(model: LlamaForCausalLM, ids: torch.Tensor, pos: torch.Tensor, m
     return model.norm(x)
 
 
+def assert_same(got: torch.Tensor, want: torch.Tensor, kv_stack: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_mod: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Both paths' hidden states, and the keys and values each wrote, equal bit for bit."""
+    assert torch.equal(got, want)
+    for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 @needs_bf16
 @pytest.mark.parametrize("bias,window,rotary", [(False, None, 1.0), (True, None, 1.0), (False, 7, 1.0),
                                                 (False, None, 0.5)])                  # 0.5: partial rotary
@@ -117,9 +125,7 @@ def test_stack_equals_modules_bit_for_bit(bias, window, rotary, lens, qlens, tre
         assert model._stack[1] is not None, "the C stack was not built for a plain bf16 Llama"
         assert model._stack[1].takes(model.embed_tokens(ids), meta)
         want = module_path(model, ids, pos, meta, kv_mod)
-    assert torch.equal(got, want)
-    for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_same(got, want, kv_stack, kv_mod)
 
 
 @needs_bf16
@@ -185,9 +191,7 @@ def test_prefill_chunk_of_many_rows_equals_modules_bit_for_bit(kind, inter, rows
         fused = kind != "bf16" and inter % 32 == 0 and qgemm.wide_swiglu_address() != 0
         assert bool(stack._table(150)[:, -1].all()) == fused
         want = module_path(model, ids, pos, meta_mod, kv_mod)
-    assert torch.equal(got, want)
-    for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_same(got, want, kv_stack, kv_mod)
 
 
 @needs_bf16
@@ -274,9 +278,7 @@ def test_f32_stack_equals_modules_bit_for_bit(kind, bias, window, rotary, lens, 
         got = model(ids, pos, meta, kv_stack)
         assert model._stack[1] is not None and model._stack[1].dtype == torch.float32
         want = module_path(model, ids, pos, meta, kv_mod)
-    assert torch.equal(got, want)
-    for (k1, v1), (k2, v2) in zip(kv_stack, kv_mod):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_same(got, want, kv_stack, kv_mod)
     # and the module path is the model: the dequantised weights through torch's own ops agree to fp32 rounding
     with torch.inference_mode():
         ref = reference_f32(model, ids, pos, meta, caches(model, 1))
