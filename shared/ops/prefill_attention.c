@@ -194,10 +194,9 @@ static void start_tile(qtile *t, const uint16_t *q, int64_t ldq, int64_t dh) {
 }
 
 #ifdef UPESI_AMX_TILES
-// S^T of two tiles for one block: the key tiles are loaded once for both, four independent sums per step (a
-// stand-in second tile is computed too, and ignored).
+// S^T of two tiles for one block: the key tiles are loaded once for both, four independent sums per step; a lone
+// tile (two = 0) computes only its own two.
 static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh, int two) {
-    (void)two;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -206,21 +205,34 @@ static inline void scores(qtile *a, qtile *b, const uint16_t *ka, int64_t dh, in
         _tile_loadd(4, ka + 32 * ch, dh * 2);
         _tile_loadd(5, ka + 16 * dh + 32 * ch, dh * 2);
         _tile_loadd(6, a->qt + ch * 512, 64);
-        _tile_loadd(7, b->qt + ch * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
+        if (two) {
+            _tile_loadd(7, b->qt + ch * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     }
     _tile_stored(0, a->s, 64);
     _tile_stored(1, a->s + 256, 64);
-    _tile_stored(2, b->s, 64);
-    _tile_stored(3, b->s + 256, 64);
+    if (two) {
+        _tile_stored(2, b->s, 64);
+        _tile_stored(3, b->s + 256, 64);
+    }
 }
 
-// O^T += V^T P^T for two tiles: each V^T chunk (16 dims) loaded once for both.
+// O^T += V^T P^T for two tiles: each V^T chunk (16 dims) loaded once for both; a lone tile (two = 0) on its own.
 static inline void accumulate(qtile *a, qtile *b, const uint16_t *vb, int64_t dh, int two) {
-    (void)two;
+    if (!two) {
+        _tile_loadd(0, a->p, 64);
+        for (int64_t d = 0; d < dh; d += 16) {
+            _tile_loadd(2, vb + d * 32, 64);
+            _tile_loadd(4, a->o + d * 16, 64);
+            _tile_dpbf16ps(4, 2, 0);
+            _tile_stored(4, a->o + d * 16, 64);
+        }
+        return;
+    }
     _tile_loadd(0, a->p, 64);
     _tile_loadd(1, b->p, 64);
     for (int64_t d = 0; d < dh; d += 32) {
