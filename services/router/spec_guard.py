@@ -6,8 +6,9 @@ CPUs (a slow dot product, fast memory) that costs more than the tokens it saves,
 for a single stream. The router measures both sides on live traffic: requests that give `num_speculative_tokens`
 themselves are measured as they ran (but K = 0 where the targets draft the requests sent without a draft service
 by prompt lookup: that side speculates too, and a plain request says nothing about it); the others speculate while
-the speculative rate is at least the plain rate, and every `explore_every`-th of them takes the other side so that
-both rates stay current (every RARE x `explore_every`-th while one side is CLEAR_MARGIN times faster: exploring a
+the speculative rate is at least the plain rate (until the side without drafts is first measured, every other one
+takes it: the default is a guess), and every `explore_every`-th of them takes the other side so that both rates
+stay current (every RARE x `explore_every`-th while one side is CLEAR_MARGIN times faster: exploring a
 clear loser costs throughput), unless requests that set their own K measured that side meanwhile. With lookup at the
 targets a near tie (drafts less than LOOKUP_TIE times faster) goes to the side without drafts: it copies as fast,
 and the draft service's relay and probes cost CPU the target's steps share.
@@ -38,6 +39,8 @@ class SpeculationGuard:
         spec, plain = self.rate[True], self.rate[False]
         if spec is None:
             return True                                  # nothing measured yet: the deployment's default
+        if plain is None:                                # the default is a guess: the other side is measured
+            return self.decisions % 2 == 1               # early, every other request until one counts
         # with lookup at the targets the side without drafts gets the copies' speed-up too, without the draft
         # service's relay and probes (CPU the target's steps share): a near tie goes to it
         better = plain is None or spec >= plain * (LOOKUP_TIE if self.lookup_at_targets else 1.0)
