@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,12 +36,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")                  # before torch loads OpenMP
 
 from bench.bench_generate import PROMPTS  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from shared.testing.stack import free_port  # noqa: E402
 
 
 def decode_step_times(eng, prompts: list[list[int]], steps: int) -> list[float]:

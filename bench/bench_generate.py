@@ -16,7 +16,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,12 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from bench.workloads import CHAT as PROMPTS  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from shared.testing.stack import free_port  # noqa: E402
 
 
 class Stack:

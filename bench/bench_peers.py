@@ -54,8 +54,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from bench.bench_generate import free_port  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
+from shared.testing.stack import free_port  # noqa: E402
 
 PROMPTS = list(WORKLOADS["chat"])          # the workload's prompts (--workload)
 PRESENCE_PENALTY = 0.0                     # the stack's requests' (--presence-penalty)

@@ -17,13 +17,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from shared.testing.stack import free_port
+
 READY_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
