@@ -10,8 +10,9 @@ the two alternating request by request (single) or batch by batch in one stack.
 Beside tokens/s: time to first token, and CPU seconds per generated token (every process of the stack, or of
 the peer, divided by the tokens). The physical bound of single-stream plain decoding, (memory read bandwidth) /
 (weight bytes read per step), is measured on this machine and each single-stream figure given as a fraction of it.
-Single stream, from the target's and the draft's /metrics around each request: tokens per target step, and where a
-step's wall time goes (the target's step, the draft's proposal, and the rest: Verify round trip and delivery).
+Single stream, from the target's and the draft's /metrics between each request's first token and its end (the
+prompt's prefill apart): tokens per target step, and where a step's wall time goes (the target's step, the draft's
+proposal, and the rest: Verify round trip and delivery).
 
 4-bit weights: the default model is a Q4_1 GGUF whose layers the stack serves as they are stored (packed codes,
 shared/ops/qgemm.c, qgemm_avx2.c). `--weights` adds stacks beside it, their requests alternating with the default
@@ -145,8 +146,9 @@ class ServeStack:
                 pass
         return total
 
-    async def one(self, prompt: str, tokens: int, k: int | None) -> tuple[int, float]:
-        """One streamed request -> (completion tokens, seconds to the first token)."""
+    async def one(self, prompt: str, tokens: int, k: int | None, at_first: list | None = None) -> tuple[int, float]:
+        """One streamed request -> (completion tokens, seconds to the first token); at_first: gets (the step
+        counters, the clock, the tokens so far) when the first token arrives."""
         from upesi.v1 import generation_pb2 as pb
         # each side its own cache partition: alternating sides must not find each other's prompts cached
         req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=prompt)], max_tokens=tokens,
@@ -158,9 +160,11 @@ class ServeStack:
         t0, ttft, n = time.perf_counter(), None, 0
         async for msg in self.stub.GenerateStream(req, timeout=900):
             got = sum(len(c.token_ids) for c in msg.choices)
+            n += got
             if got and ttft is None:
                 ttft = time.perf_counter() - t0
-            n += got
+                if at_first is not None:
+                    at_first.append((self.counters(), time.perf_counter(), n))
         return n, ttft or 0.0
 
     def counters(self) -> dict[str, float]:
@@ -179,17 +183,21 @@ class ServeStack:
         return out
 
     def run(self, prompts: list[str], tokens: int, k: int | None) -> dict[str, float]:
-        async def every() -> list[tuple[int, float]]:
-            return await asyncio.gather(*(self.one(p, tokens, k) for p in prompts))
+        first: list = []                                     # a request alone: the counters at its first token
 
-        before = self.counters() if len(prompts) == 1 else None
+        async def every() -> list[tuple[int, float]]:
+            return await asyncio.gather(*(self.one(p, tokens, k, first if len(prompts) == 1 else None)
+                                          for p in prompts))
+
         c, t = self.cpu_s(), time.perf_counter()
         outs = self.loop.run_until_complete(every())
-        wall, cpu = time.perf_counter() - t, self.cpu_s() - c
+        end = time.perf_counter()
+        wall, cpu = end - t, self.cpu_s() - c
         n = sum(o[0] for o in outs)
         out = {"tok_s": n / wall, "ttft_s": statistics.median(o[1] for o in outs), "cpu_s_per_tok": cpu / n}
-        if before is not None:
-            out |= step_breakdown(before, self.counters(), n, wall)
+        if first:
+            before, start, made = first[0]
+            out |= step_breakdown(before, self.counters(), n - made, end - start)
         return out
 
     def close(self) -> None:
@@ -209,9 +217,10 @@ STEP_COUNTERS = ("upesi_engine_step_seconds_count", "upesi_engine_step_seconds_s
 
 
 def step_breakdown(before: dict[str, float], after: dict[str, float], tokens: int, wall: float) -> dict[str, float]:
-    """One request alone: the target's engine steps it took and where a step's wall time went: the target's step
-    (forward pass, verification, sampling: upesi_engine_step_seconds), the draft's proposal
-    (upesi_draft_propose_seconds) and the rest (the Verify round trip, delivering tokens, the services' loops)."""
+    """One request alone, after its first token (its prompt's prefill apart): the target's engine steps it took and
+    where a step's wall time went: the target's step (forward pass, verification, sampling:
+    upesi_engine_step_seconds), the draft's proposal (upesi_draft_propose_seconds) and the rest (the Verify round
+    trip, delivering tokens, the services' loops)."""
     d = {key: after[key] - before[key] for key in STEP_COUNTERS}
     steps = max(1.0, d["upesi_engine_step_seconds_count"])
     target, draft = d["upesi_engine_step_seconds_sum"] / steps, d["upesi_draft_propose_seconds_sum"] / steps
