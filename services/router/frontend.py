@@ -63,12 +63,13 @@ class Frontend:
         return next(t for t in self.targets if t.address == chosen)
 
     def choose_draft(self, params: SamplingParams) -> DraftClient | None:
-        """The least busy draft replica for a speculative request; None when it is not one (K = 0, beam search),
-        no draft is configured, every draft failed in the last few seconds, or more than speculative_max_requests
+        """The least busy draft replica for a speculative request; None when it is not one (K = 0, beam search, a
+        single token: the prompt's prefill makes it, with nothing to draft, so it goes straight to the target without
+        the draft service's relay), no draft is configured, every draft failed in the last few seconds, or more than speculative_max_requests
         are in flight (the target then decodes alone), or, for a request alone, while speculation was measured slower
         than plain decoding here (SpeculationGuard). A request that asks for K > 0 itself still speculates."""
         up = [d for d in self.drafts if d.up]
-        if not up or params.num_speculative_tokens == 0 or params.beam_width > 1:
+        if not up or params.num_speculative_tokens == 0 or params.beam_width > 1 or params.max_tokens <= 1:
             return None
         busy = 0 < self.cfg.speculative_max_requests < self.in_flight
         if params.num_speculative_tokens is None and (busy or (self.in_flight == 1 and not self.guard.use_drafts())):

@@ -33,6 +33,18 @@ def test_zero_means_always_and_an_explicit_k_still_speculates():
     assert f.choose_draft(SamplingParams(num_speculative_tokens=0)) is None
 
 
+def test_a_single_token_goes_straight_to_the_target():
+    """max_tokens 1 (a prompt's first token, a classification, a time-to-first-token probe): the prefill makes the
+    token, so there is nothing to draft, even for a request that sets K; the guard's schedule is not consumed."""
+    f = frontend(1)
+    f.in_flight = 1
+    for k in (None, 4):
+        assert f.choose_draft(SamplingParams(max_tokens=1, num_speculative_tokens=k)) is None
+    assert f.guard.decisions == 0
+    assert f.choose_draft(SamplingParams(max_tokens=2, num_speculative_tokens=4)).name == "b"
+    assert f.choose_draft(SamplingParams(max_tokens=2)).name == "b"              # nothing measured: drafts
+
+
 def test_negative_limit_is_refused():
     with pytest.raises(ValueError, match="speculative_max_requests"):
         RouterConfig(speculative_max_requests=-1)
