@@ -65,9 +65,10 @@ class Frontend:
     def choose_draft(self, params: SamplingParams) -> DraftClient | None:
         """The least busy draft replica for a speculative request; None when it is not one (K = 0, beam search, a
         single token: the prompt's prefill makes it, with nothing to draft, so it goes straight to the target without
-        the draft service's relay), no draft is configured, every draft failed in the last few seconds, or more than speculative_max_requests
-        are in flight (the target then decodes alone), or, for a request alone, while speculation was measured slower
-        than plain decoding here (SpeculationGuard). A request that asks for K > 0 itself still speculates."""
+        the draft service's relay), no draft is configured, every draft failed in the last few seconds, or more than
+        speculative_max_requests are in flight (the target then decodes alone), or, for a request alone, while
+        speculation was measured slower than plain decoding here (SpeculationGuard). A request that asks for K > 0
+        itself still speculates (unless it asks for one token)."""
         up = [d for d in self.drafts if d.up]
         if not up or params.num_speculative_tokens == 0 or params.beam_width > 1 or params.max_tokens <= 1:
             return None

@@ -43,8 +43,8 @@ class SpeculationGuard:
             return self.decisions % 2 == 1               # early, every other request until one counts
         # with lookup at the targets the side without drafts gets the copies' speed-up too, without the draft
         # service's relay and probes (CPU the target's steps share): a near tie goes to it
-        better = plain is None or spec >= plain * (LOOKUP_TIE if self.lookup_at_targets else 1.0)
-        clear = plain is not None and max(spec, plain) >= CLEAR_MARGIN * min(spec, plain)
+        better = spec >= plain * (LOOKUP_TIE if self.lookup_at_targets else 1.0)
+        clear = max(spec, plain) >= CLEAR_MARGIN * min(spec, plain)
         every = self.explore_every * (RARE if clear else 1)
         last = self.measured[not better]
         if self.decisions % every == 0 and (last is None or self.decisions - last >= every):
