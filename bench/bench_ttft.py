@@ -173,7 +173,8 @@ def main() -> None:
     mixed = None
     for r in range(max(1, a.rounds)):
         upesi, got = measure_stack(a, rng, with_mixed=r == 0)
-        mixed = got if r == 0 else mixed
+        if r == 0:
+            mixed = got
         rounds.append({"upesi": upesi})
         if a.vllm_python:
             rounds[-1]["vllm"] = measure_vllm(a, dtype)
